@@ -1,0 +1,113 @@
+# Build and test scaffolding for jax-overlap.
+#
+#   make test          the test suite on the newest supported jax this machine can run
+#   make test-all      the test suite on every supported jax (0.10.2, 0.11.0, 0.12.0.1)
+#   make test-jaxX     the test suite on jax X alone
+#   make demo          examples/demo.py on the newest jax
+#   make bench         benchmarks/bench_program_order.py on every supported jax
+#   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
+#   make venvs         create/refresh every venv without testing
+#   make clean         remove the venvs and build leftovers
+#
+# Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
+# PY311 / PY312 (override the interpreters found below).
+#
+# Each jax version gets its own venv, .venv-jaxX, built from nothing by its stamp
+# .venv-jaxX/.installed (remade when pyproject.toml or constraints/jax-X.txt changes):
+# jax 0.10.2 on Python 3.11, jax 0.11.0 and 0.12.0.1 on Python >= 3.12 (they need it).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+.DELETE_ON_ERROR:
+
+JAX_VERSIONS := 0.10.2 0.11.0 0.12.0.1
+
+# --- interpreters -------------------------------------------------------------
+# A pyenv shim such as `python3.12` may exist on PATH and still answer "command not
+# found", so every candidate is run (`X -c 'import sys'`) and the first that works wins.
+ifndef PYENV_ROOT
+PYENV_ROOT := $(shell pyenv root 2>/dev/null)
+endif
+# $(call pyenv_pythons,3.12): pyenv's versions/3.12*/bin/python3.12, newest first.
+pyenv_pythons = $(if $(PYENV_ROOT),$(shell ls -1d $(PYENV_ROOT)/versions/$(1)*/bin/python$(1) 2>/dev/null | sort -rV))
+# $(call first_working,CANDIDATES): the first candidate that runs.
+first_working = $(firstword $(foreach c,$(1),$(if $(shell $(c) -c 'import sys' >/dev/null 2>&1 && echo ok),$(c))))
+
+ifndef PY311
+PY311 := $(call first_working,python3.11 $(call pyenv_pythons,3.11))
+endif
+ifndef PY312
+PY312 := $(call first_working,python3.12 $(call pyenv_pythons,3.12) python3.13 $(call pyenv_pythons,3.13))
+endif
+
+# The interpreter each jax version's venv is made with.
+PY_FOR_0.10.2   := $(PY311)
+PY_FOR_0.11.0   := $(PY312)
+PY_FOR_0.12.0.1 := $(PY312)
+
+# The newest jax this machine can run: 0.12.0.1 with Python >= 3.12, else 0.10.2.
+NEWEST := $(if $(PY312),0.12.0.1,0.10.2)
+
+venv  = .venv-jax$(1)
+stamp = .venv-jax$(1)/.installed
+STAMPS := $(foreach v,$(JAX_VERSIONS),$(call stamp,$(v)))
+
+# --- venvs --------------------------------------------------------------------
+.venv-jax%/.installed: pyproject.toml constraints/jax-%.txt
+	@if [ -z "$(PY_FOR_$*)" ]; then \
+	  echo "error: no Python interpreter for jax $* (0.10.2 needs python3.11; 0.11.0 and 0.12.0.1 need python3.12 or 3.13)." >&2; \
+	  echo "       Install one (e.g. with pyenv) or pass PY311=/path/to/python3.11 / PY312=/path/to/python3.12." >&2; \
+	  exit 1; fi
+	@echo "--- $(@D): jax $* on $(PY_FOR_$*)"
+	@test -x $(@D)/bin/python || $(PY_FOR_$*) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q -c constraints/jax-$*.txt -e '.[test,report]'
+	@touch $@
+
+.PHONY: venvs
+venvs: $(STAMPS)
+
+# --- tests --------------------------------------------------------------------
+# pytest's exit status (5 when no test was collected) is the recipe's own status.
+.PHONY: test test-all
+test: $(call stamp,$(NEWEST))
+	$(call venv,$(NEWEST))/bin/python -m pytest -q tests $(PYTEST_ARGS)
+
+test-all: $(foreach v,$(JAX_VERSIONS),test-jax$(v))
+
+define per_version
+.PHONY: test-jax$(1) bench-jax$(1)
+test-jax$(1): $(call stamp,$(1))
+	$(call venv,$(1))/bin/python -m pytest -q tests $$(PYTEST_ARGS)
+bench-jax$(1): $(call stamp,$(1))
+	$(call venv,$(1))/bin/python benchmarks/bench_program_order.py
+endef
+$(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
+
+# --- demo, benchmarks ---------------------------------------------------------
+.PHONY: demo bench
+demo: $(call stamp,$(NEWEST))
+	$(call venv,$(NEWEST))/bin/python examples/demo.py
+
+bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v))
+
+# --- conformance --------------------------------------------------------------
+CONFORMANCE_RUN := ../shared/conformance/run.sh
+
+.PHONY: conformance
+ifneq ($(wildcard $(CONFORMANCE_RUN)),)
+conformance: $(call stamp,0.12.0.1)
+	bash $(CONFORMANCE_RUN) $(abspath $(call venv,0.12.0.1)/bin/python) jax_overlap $(CONFORMANCE_ARGS)
+else
+conformance:
+	@echo "conformance: $(CONFORMANCE_RUN) is absent; skipped."
+endif
+
+# --- misc ---------------------------------------------------------------------
+.PHONY: clean print-%
+clean:
+	rm -rf $(foreach v,$(JAX_VERSIONS),$(call venv,$(v))) build dist src/*.egg-info
+
+# `make -s print-PY312` prints a variable (used by .ci/run).
+print-%:
+	@echo '$($*)'

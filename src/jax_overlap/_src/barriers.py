@@ -1,0 +1,115 @@
+"""The barrier interpreter: re-emits an ordered body with the fences in it.
+
+`run_in_order` evaluates a body equation by equation with `bind`, and before
+each equation B (after the first) ties the previous equation A to B with
+`optimization_barrier`s, so no backend may move B's work above A's or A's
+below B's. Which values go through which barrier is the contract that jax's
+own `program_order` also follows (the conformance suite pins the counts):
+
+* plain B: one barrier over A's outputs that B does not consume, together
+  with B's non-literal inputs;
+* B with no non-literal input (an iota, a constant): a token is tied to A's
+  outputs and B is called with the token as its only argument;
+* B a free block or a jit call: a token is tied to A's outputs by one
+  barrier, and each input of B that A did not produce gets a barrier of its
+  own with that token (a free block's excluded inputs pass untouched).
+
+It runs while a program is lowered: from `to_lojax` on jax >= 0.12, from the
+MLIR lowering rule on older jax. Nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jax._src import core
+from jax._src.pjit import jit_p
+
+from jax_overlap._src import _compat
+from jax_overlap._src.primitive import is_free_block
+
+
+def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
+                 strict_out: bool) -> list[Any]:
+  """Evaluates `closed` on `args` with the barriers that fix its order."""
+  jaxpr = _compat.open_jaxpr(closed)
+  env: dict[core.Var, Any] = {}
+
+  def read(atom):
+    return atom.val if isinstance(atom, core.Literal) else env[atom]
+
+  def write(outvars, vals):
+    for v, x in zip(outvars, vals, strict=True):
+      if not isinstance(v, core.DropVar):
+        env[v] = x
+
+  write(jaxpr.constvars, _compat.jaxpr_consts(closed))
+  args = list(args)
+  if strict_in and args:
+    args = list(_compat.barrier(args))
+  write(jaxpr.invars, args)
+
+  prev_eqn, prev_vals = None, None
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    literal = [isinstance(v, core.Literal) for v in eqn.invars]
+    if prev_eqn is None:
+      outs = _compat.bind_eqn(eqn, invals)
+    elif all(literal):
+      token = _compat.new_token()
+      prev_vals, token = _compat.barrier((prev_vals, token))
+      outs = _compat.call_after_token(
+          lambda eqn=eqn, invals=invals: _compat.bind_eqn(eqn, invals), token)
+    elif is_free_block(eqn) or eqn.primitive is jit_p:
+      fenced = [not lit for lit in literal]
+      if is_free_block(eqn):
+        fenced = [f and not ex for f, ex in zip(fenced, eqn.params["excluded"])]
+      if any(fenced):
+        prev_vals, invals = _fence_each_input(prev_eqn, prev_vals, eqn,
+                                              invals, fenced)
+      outs = _compat.bind_eqn(eqn, invals)
+    else:
+      prev_vals, invals = _fence_together(prev_eqn, prev_vals, eqn, invals,
+                                          literal)
+      outs = _compat.bind_eqn(eqn, invals)
+    if prev_eqn is not None:
+      write(prev_eqn.outvars, prev_vals)
+    write(eqn.outvars, outs)
+    prev_eqn, prev_vals = eqn, list(outs)
+
+  outs = [read(v) for v in jaxpr.outvars]
+  if strict_out and outs:
+    outs = list(_compat.barrier(outs))
+  return outs
+
+
+def _fence_together(prev_eqn, prev_vals, eqn, invals, literal):
+  """One barrier over A's unconsumed outputs and B's non-literal inputs."""
+  consumed = set(v for v in eqn.invars if not isinstance(v, core.Literal))
+  kept = [i for i, v in enumerate(prev_eqn.outvars) if v not in consumed]
+  fed = [i for i, lit in enumerate(literal) if not lit]
+  kept_vals, fed_vals = _compat.barrier(
+      ([prev_vals[i] for i in kept], [invals[i] for i in fed]))
+  prev_vals, invals = list(prev_vals), list(invals)
+  for i, x in zip(kept, kept_vals):
+    prev_vals[i] = x
+  for i, x in zip(fed, fed_vals):
+    invals[i] = x
+  return prev_vals, invals
+
+
+def _fence_each_input(prev_eqn, prev_vals, eqn, invals, fenced):
+  """A token after A; each fenced input of B not made by A waits for it."""
+  token = _compat.new_token()
+  prev_vals, token = _compat.barrier((list(prev_vals), token))
+  made_by_prev = {v: i for i, v in enumerate(prev_eqn.outvars)
+                  if not isinstance(v, core.DropVar)}
+  invals = list(invals)
+  for k, (v, f) in enumerate(zip(eqn.invars, fenced)):
+    if not f:
+      continue
+    if v in made_by_prev:
+      invals[k] = prev_vals[made_by_prev[v]]
+    else:
+      _, invals[k] = _compat.barrier((token, invals[k]))
+  return list(prev_vals), invals
