@@ -109,8 +109,8 @@ def _typed_barrier_lowering(ctx, *args):
 mlir.register_lowering(_typed_barrier_p, _typed_barrier_lowering)
 
 
-def barrier(tree):
-  """`optimization_barrier` over a pytree, keeping each leaf's own type.
+def barrier(values: Sequence[Any]) -> list[Any]:
+  """One `optimization_barrier` over a flat list, keeping each value's type.
 
   Before 0.12, jax's barrier asks all operands inside `shard_map` to vary over
   the same mesh axes and makes them so, which changes the types a body was
@@ -118,10 +118,8 @@ def barrier(tree):
   MLIR lowering rule, after every type check, so a barrier that passes each
   operand's type through is both safe and the same StableHLO op.
   """
-  if USE_HIJAX:
-    return lax_internal.optimization_barrier(tree)
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return jax.tree_util.tree_unflatten(treedef, _typed_barrier_p.bind(*leaves))
+  prim = lax_internal.optimization_barrier_p if USE_HIJAX else _typed_barrier_p
+  return list(prim.bind(*values))
 
 
 # --- tokens ------------------------------------------------------------------

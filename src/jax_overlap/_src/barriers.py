@@ -46,7 +46,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   write(jaxpr.constvars, _compat.jaxpr_consts(closed))
   args = list(args)
   if strict_in and args:
-    args = list(_compat.barrier(args))
+    args = _compat.barrier(args)
   write(jaxpr.invars, args)
 
   prev_eqn, prev_vals = None, None
@@ -57,7 +57,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
       token = _compat.new_token()
-      prev_vals, token = _compat.barrier((prev_vals, token))
+      *prev_vals, token = _compat.barrier([*prev_vals, token])
       outs = _compat.call_after_token(
           lambda eqn=eqn, invals=invals: _compat.bind_eqn(eqn, invals), token)
     elif is_free_block(eqn) or eqn.primitive is jit_p:
@@ -79,7 +79,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
 
   outs = [read(v) for v in jaxpr.outvars]
   if strict_out and outs:
-    outs = list(_compat.barrier(outs))
+    outs = _compat.barrier(outs)
   return outs
 
 
@@ -88,8 +88,9 @@ def _fence_together(prev_eqn, prev_vals, eqn, invals, literal):
   consumed = set(v for v in eqn.invars if not isinstance(v, core.Literal))
   kept = [i for i, v in enumerate(prev_eqn.outvars) if v not in consumed]
   fed = [i for i, lit in enumerate(literal) if not lit]
-  kept_vals, fed_vals = _compat.barrier(
-      ([prev_vals[i] for i in kept], [invals[i] for i in fed]))
+  fenced = _compat.barrier([*(prev_vals[i] for i in kept),
+                            *(invals[i] for i in fed)])
+  kept_vals, fed_vals = fenced[:len(kept)], fenced[len(kept):]
   prev_vals, invals = list(prev_vals), list(invals)
   for i, x in zip(kept, kept_vals):
     prev_vals[i] = x
@@ -101,7 +102,7 @@ def _fence_together(prev_eqn, prev_vals, eqn, invals, literal):
 def _fence_each_input(prev_eqn, prev_vals, eqn, invals, fenced):
   """A token after A; each fenced input of B not made by A waits for it."""
   token = _compat.new_token()
-  prev_vals, token = _compat.barrier((list(prev_vals), token))
+  *prev_vals, token = _compat.barrier([*prev_vals, token])
   made_by_prev = {v: i for i, v in enumerate(prev_eqn.outvars)
                   if not isinstance(v, core.DropVar)}
   invals = list(invals)
@@ -111,5 +112,5 @@ def _fence_each_input(prev_eqn, prev_vals, eqn, invals, fenced):
     if v in made_by_prev:
       invals[k] = prev_vals[made_by_prev[v]]
     else:
-      _, invals[k] = _compat.barrier((token, invals[k]))
+      _, invals[k] = _compat.barrier([token, invals[k]])
   return list(prev_vals), invals
