@@ -43,9 +43,18 @@ def _to_lojax(*args, call_jaxpr, enforce, strict_in, strict_out, excluded):
               excluded=excluded)
 
 
+def _lower_body(*args, call_jaxpr, **params):
+  # Older jax: barriers come from the MLIR rule below, but a body holding
+  # HiJAX values (jax_remat3's checkpoint names and rematted calls) makes the
+  # equation high (jax's default `is_high`), so its body is lowered first.
+  return bind(args, call_jaxpr=_compat.lower_to_lojax(call_jaxpr), **params)
+
+
 if _compat.USE_HIJAX:
   program_order_p.is_high = _is_high
   program_order_p.to_lojax = _to_lojax
+else:
+  program_order_p.to_lojax = _lower_body
 
 
 # --- every version: MLIR ------------------------------------------------------

@@ -27,7 +27,9 @@ program_order_p.skip_canonicalization = True
 
 def _abstract_eval(*avals, call_jaxpr, **_):
   del avals
-  return list(call_jaxpr.out_avals), call_jaxpr.effects
+  # Positional: a body's effect on its i-th input (a Ref it writes) is an
+  # effect on the equation's i-th operand, not on a variable of the body.
+  return list(call_jaxpr.out_avals), core.positional_effects(call_jaxpr)
 
 
 program_order_p.def_effectful_abstract_eval(_abstract_eval)

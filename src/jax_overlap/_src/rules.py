@@ -68,16 +68,20 @@ def _partial_eval(trace, *tracers, call_jaxpr, excluded, **params):
   unknown = [not t.pval.is_known() for t in tracers]
   known_body, staged_body, unknown_out, res_avals, res_from_input = (
       pe.partial_eval_jaxpr_nounits_fwd(call_jaxpr, unknown, instantiate=False))
+  known_body, res_from_output = _dedup_residual_outputs(
+      known_body, len(res_avals))
   known_in = [t.pval.get_known() for t, u in zip(tracers, unknown) if not u]
   known_excluded = [e for e, u in zip(excluded, unknown) if not u]
   known_outs = _rebind(known_in, params, known_body, known_excluded)
-  n_res_made = len(res_avals)
-  known_outs, res_made = known_outs[:len(known_outs) - n_res_made], \
-      known_outs[len(known_outs) - n_res_made:]
+  n_known_out = len(unknown_out) - sum(unknown_out)
+  known_outs, res_made = known_outs[:n_known_out], known_outs[n_known_out:]
   # A residual that is just a known input (or a const) is passed on directly
-  # rather than returned from the known block, which would copy it.
+  # rather than returned from the known block, which would copy it; one that
+  # is a known output, or another residual, is that value, not a second one
+  # (otherwise a second derivative saves the same array twice).
+  made = iter([known_outs[i] if from_output else res_made[i]
+                for from_output, i in res_from_output])
   inputs = [*_compat.jaxpr_consts(call_jaxpr), *known_in]
-  made = iter(res_made)
   residuals = [next(made) if i is None else inputs[i] for i in res_from_input]
   assert next(made, None) is None
   res_tracers = [trace.new_instantiated_const(r) for r in residuals]
@@ -89,8 +93,7 @@ def _partial_eval(trace, *tracers, call_jaxpr, excluded, **params):
                        excluded=tuple(staged_excluded))
   recipe = pe.new_eqn_recipe(
       trace, [*res_tracers, *unknown_in], out_tracers, program_order_p,
-      staged_params, core.positional_effects(staged_body)
-      if hasattr(core, "positional_effects") else staged_body.effects,
+      staged_params, core.positional_effects(staged_body),
       source_info_util.current())
   for t in out_tracers:
     t.recipe = recipe
@@ -98,7 +101,84 @@ def _partial_eval(trace, *tracers, call_jaxpr, excluded, **params):
   return [next(it_unknown) if u else next(it_known) for u in unknown_out]
 
 
+def _dedup_residual_outputs(body, n_res, n_after=0):
+  """Drops residual outputs of `body` that repeat an earlier output.
+
+  `body` returns its primal outputs, then `n_res` residuals, then `n_after`
+  outputs kept as they are. Returns the pruned body and, per residual,
+  (True, k) if it is primal output k or (False, j) if it is residual j of
+  the pruned body.
+  """
+  outvars = _compat.open_jaxpr(body).outvars
+  n_out = len(outvars) - n_res - n_after
+  seen: dict[core.Var, tuple[bool, int]] = {}
+  for k, v in enumerate(outvars[:n_out]):
+    if not isinstance(v, core.Literal):
+      seen.setdefault(v, (True, k))
+  where, keep = [], []
+  for v in outvars[n_out:n_out + n_res]:
+    if not isinstance(v, core.Literal) and v in seen:
+      where.append(seen[v])
+      keep.append(False)
+    else:
+      where.append((False, sum(keep)))
+      keep.append(True)
+      if not isinstance(v, core.Literal):
+        seen[v] = where[-1]
+  if all(keep):
+    return body, where
+  used = [True] * n_out + keep + [True] * n_after
+  return pe.prune_closed_jaxpr_outputs(body, used), where
+
+
 pe.custom_partial_eval_rules[program_order_p] = _partial_eval
+
+
+def _linearize(is_vjp, nonzero, *primals, call_jaxpr, excluded, **params):
+  """An ordered forward block that also returns the residuals, and an ordered
+  tangent block (the one transposed under vjp).
+
+  Linearizing the body as a whole, rather than by jvp and partial eval,
+  keeps what only the tangent needs (jax_remat3's saved names, a Ref the
+  body creates) inside the blocks.
+  """
+  fwd, n_made, structured_types, nonzero_out, res_from_input, tangent_body = (
+      _compat.linearize_jaxpr(call_jaxpr, nonzero, is_vjp=is_vjp))
+  n_structured = 0 if structured_types is None else len(list(structured_types))
+  fwd, res_from_output = _dedup_residual_outputs(fwd, n_made, n_structured)
+  outs = _rebind(primals, params, fwd, excluded)
+  n_out = len(call_jaxpr.out_avals)
+  primals_out = outs[:n_out]
+  kept = outs[n_out:len(outs) - n_structured]
+  # As in partial eval: a residual that is an input or an output is that
+  # value, passed on, not a copy the forward block returns again.
+  made = iter([primals_out[i] if from_output else kept[i]
+               for from_output, i in res_from_output])
+  inputs = [*_compat.jaxpr_consts(call_jaxpr), *primals]
+  residuals = [next(made) if i is None else inputs[i] for i in res_from_input]
+  assert next(made, None) is None
+  structured = None if structured_types is None else \
+      structured_types.update(outs[len(outs) - n_structured:]).unflatten()
+  tangent_excluded = _pick(nonzero, excluded)
+  out_avals = call_jaxpr.out_avals
+
+  def linearized(residuals, structured, *tangents):
+    structured_flat = jax.tree_util.tree_leaves(structured)
+    nonzero_tangents = [ad.instantiate_zeros(t)
+                        for t, nz in zip(tangents, nonzero) if nz]
+    prim = _compat.tangent_primitive(program_order_p, is_vjp)
+    tangents_out = prim.bind(
+        *residuals, *nonzero_tangents, *structured_flat,
+        **dict(params, call_jaxpr=tangent_body,
+               excluded=(*[False] * len(residuals), *tangent_excluded,
+                         *[False] * len(structured_flat))))
+    return _scatter(nonzero_out, tangents_out,
+                    lambda i: ad_util.Zero(out_avals[i].to_tangent_aval()))
+  return primals_out, nonzero_out, residuals, structured, linearized
+
+
+if _compat.HAS_LINEARIZE_RULES:
+  _compat.register_linearize_rule(program_order_p, _linearize)
 
 
 def _remat_params(unks_in, inst_in, kept_outs_known, kept_outs_staged,
@@ -120,6 +200,27 @@ def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
 
 
 pe.partial_eval_jaxpr_custom_rules[program_order_p] = _partial_eval_custom
+
+
+# --- remat with jax_remat3 -------------------------------------------------------
+
+def _remat(ctx, *args, call_jaxpr, excluded, **params):
+  """Splits the body by the remat policy into an ordered forward block, which
+  also returns the residuals the policy saves, and an ordered block that
+  recomputes the rest from them."""
+  fwd, rem, fwds = _compat.remat_jaxpr(call_jaxpr, ctx)
+  n_out = len(call_jaxpr.out_avals)
+  outs_and_res = _rebind(args, params, fwd, excluded)
+  outs, made = outs_and_res[:n_out], iter(outs_and_res[n_out:])
+  res = [next(made) if f is None else outs[f] for f in fwds]
+  assert next(made, None) is None
+
+  def recompute(res, *args):
+    return _rebind([*res, *args], params, rem, [False] * len(res) + list(excluded))
+  return outs, res, recompute
+
+
+_compat.register_remat_rule(program_order_p, _remat)
 
 
 # --- transpose ----------------------------------------------------------------
@@ -187,7 +288,8 @@ def _dce(used_outputs, eqn):
                     excluded=tuple(_pick(used_inputs, eqn.params["excluded"])))
   new_eqn = pe.new_jaxpr_eqn(
       _pick(used_inputs, eqn.invars), _pick(used_outputs, eqn.outvars),
-      program_order_p, new_params, new_body.effects, eqn.source_info, eqn.ctx)
+      program_order_p, new_params, core.positional_effects(new_body),
+      eqn.source_info, eqn.ctx)
   return used_inputs, new_eqn
 
 
@@ -197,15 +299,33 @@ _compat.register_dce_rule(program_order_p, _dce)
 # --- vmap ---------------------------------------------------------------------
 
 def _batch(axis_data, args, dims, *, call_jaxpr, **params):
-  batched = [d is not batching.not_mapped for d in dims]
+  # An unbatched value has dim None (`batching.not_mapped` on old jax only).
+  batched = [d is not None for d in dims]
   body, batched_out = batching.batch_jaxpr(call_jaxpr, axis_data, batched, False)
-  args = [batching.moveaxis(x, d, 0) if b and d != 0 else x
+  args = [batching.matchaxis(axis_data, d, 0, x) if b and d != 0 else x
           for x, d, b in zip(args, dims, batched)]
   outs = program_order_p.bind(*args, **dict(params, call_jaxpr=body))
-  return outs, [0 if b else batching.not_mapped for b in batched_out]
+  return outs, [0 if b else None for b in batched_out]
 
 
 batching.fancy_primitive_batchers[program_order_p] = _batch
+
+
+# --- mutable refs ------------------------------------------------------------------
+
+def _discharge(in_avals, discharge, *args, call_jaxpr, **params):
+  """A body that writes Ref inputs becomes one that returns their new values."""
+  from jax._src.state.types import AbstractRef  # noqa: PLC0415
+  body, num_outs = discharge(call_jaxpr)
+  outs = program_order_p.bind(*args, **dict(params, call_jaxpr=body))
+  ref_vals = iter(outs[num_outs:])
+  new_invals = [next(ref_vals) if isinstance(a, AbstractRef) else None
+                for a in in_avals]
+  assert next(ref_vals, None) is None
+  return new_invals, outs[:num_outs]
+
+
+_compat.register_discharge_rule(program_order_p, _discharge)
 
 
 # --- eager calls ----------------------------------------------------------------
