@@ -19,6 +19,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
+from jax._src.state.types import AbstractRef
 
 # --- jaxprs ------------------------------------------------------------------
 
@@ -119,18 +120,19 @@ def barrier(values: Sequence[Any]) -> list[Any]:
   operand's type through is both safe and the same StableHLO op.
   """
   values = list(values)
+  is_ref = [_is_ref(x) for x in values]
   if USE_HIJAX:
+    if not any(is_ref):
+      return list(lax_internal.optimization_barrier_p.bind(*values))
     # jax's own barrier pins Refs as inputs and hands them back unchanged;
     # the primitive alone returns only the non-Ref values.
     return list(lax_internal.optimization_barrier(values))
   # Older barriers can't take a Ref: Refs pass by, their effects keep order.
-  is_ref = [_is_ref(x) for x in values]
   outs = iter(_typed_barrier_p.bind(*[x for x, r in zip(values, is_ref) if not r]))
   return [x if r else next(outs) for x, r in zip(values, is_ref)]
 
 
 def _is_ref(x) -> bool:
-  from jax._src.state.types import AbstractRef  # noqa: PLC0415
   return isinstance(core.typeof(x), AbstractRef)
 
 
