@@ -10,7 +10,6 @@ remat and vmap see, holds no barrier.
 
 from __future__ import annotations
 
-from functools import partial
 
 from jax._src.interpreters import mlir
 

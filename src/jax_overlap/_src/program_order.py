@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 
-from jax_overlap._src import _compat
 from jax_overlap._src import lowering as _lowering  # noqa: F401 - registers rules
 from jax_overlap._src import rules as _rules  # noqa: F401 - registers rules
 from jax_overlap._src.primitive import bind
@@ -149,15 +148,13 @@ def _wrap(fun, *, enforce, strict_in, strict_out, excluded_names):
 
 def _excluded_leaves(signature, names, args, kwargs) -> list[bool]:
   """One bool per leaf of (args, kwargs): does it belong to an excluded name?"""
-  bound = signature.bind(*args, **kwargs)
-  by_name: dict[str, Any] = {}
+  signature.bind(*args, **kwargs)  # a call that doesn't fit fails here, clearly
   positional = [p for p in signature.parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
   var_pos = next((p.name for p in signature.parameters.values()
                   if p.kind is p.VAR_POSITIONAL), None)
   var_kw = next((p.name for p in signature.parameters.values()
                  if p.kind is p.VAR_KEYWORD), None)
-  del bound, by_name
   arg_names = [positional[i].name if i < len(positional) else var_pos
                for i in range(len(args))]
   kw_names = {k: (k if k in signature.parameters else var_kw) for k in kwargs}
