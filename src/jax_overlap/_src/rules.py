@@ -75,15 +75,8 @@ def _partial_eval(trace, *tracers, call_jaxpr, excluded, **params):
   known_outs = _rebind(known_in, params, known_body, known_excluded)
   n_known_out = len(unknown_out) - sum(unknown_out)
   known_outs, res_made = known_outs[:n_known_out], known_outs[n_known_out:]
-  # A residual that is just a known input (or a const) is passed on directly
-  # rather than returned from the known block, which would copy it; one that
-  # is a known output, or another residual, is that value, not a second one
-  # (otherwise a second derivative saves the same array twice).
-  made = iter([known_outs[i] if from_output else res_made[i]
-                for from_output, i in res_from_output])
-  inputs = [*_compat.jaxpr_consts(call_jaxpr), *known_in]
-  residuals = [next(made) if i is None else inputs[i] for i in res_from_input]
-  assert next(made, None) is None
+  residuals = _residuals(call_jaxpr, known_in, known_outs, res_made,
+                         res_from_input, res_from_output)
   res_tracers = [trace.new_instantiated_const(r) for r in residuals]
   unknown_in = [t for t, u in zip(tracers, unknown) if u]
   out_tracers = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None)
@@ -99,6 +92,23 @@ def _partial_eval(trace, *tracers, call_jaxpr, excluded, **params):
     t.recipe = recipe
   it_known, it_unknown = iter(known_outs), iter(out_tracers)
   return [next(it_unknown) if u else next(it_known) for u in unknown_out]
+
+
+def _residuals(call_jaxpr, inputs, outputs, made, res_from_input,
+               res_from_output):
+  """Each residual of a split body, as the value it already is.
+
+  A residual that is just an input (or a const) is passed on rather than
+  returned from the forward block, which would copy it; one that is an
+  output of the block, or another residual, is that value, not a second one
+  (otherwise a second derivative saves the same array twice).
+  """
+  made_it = iter([outputs[i] if from_output else made[i]
+                  for from_output, i in res_from_output])
+  sources = [*_compat.jaxpr_consts(call_jaxpr), *inputs]
+  residuals = [next(made_it) if i is None else sources[i] for i in res_from_input]
+  assert next(made_it, None) is None
+  return residuals
 
 
 def _dedup_residual_outputs(body, n_res, n_after=0):
@@ -150,13 +160,8 @@ def _linearize(is_vjp, nonzero, *primals, call_jaxpr, excluded, **params):
   n_out = len(call_jaxpr.out_avals)
   primals_out = outs[:n_out]
   kept = outs[n_out:len(outs) - n_structured]
-  # As in partial eval: a residual that is an input or an output is that
-  # value, passed on, not a copy the forward block returns again.
-  made = iter([primals_out[i] if from_output else kept[i]
-               for from_output, i in res_from_output])
-  inputs = [*_compat.jaxpr_consts(call_jaxpr), *primals]
-  residuals = [next(made) if i is None else inputs[i] for i in res_from_input]
-  assert next(made, None) is None
+  residuals = _residuals(call_jaxpr, primals, primals_out, kept,
+                         res_from_input, res_from_output)
   structured = None if structured_types is None else \
       structured_types.update(outs[len(outs) - n_structured:]).unflatten()
   tangent_excluded = _pick(nonzero, excluded)
