@@ -2,7 +2,8 @@
 
 Prints, for bodies of 10, 100 and 1,000 equations, on the jax this runs on:
   * trace+lower time of plain jit, of jax_overlap's program_order and of
-    jax's own (jax >= 0.12), and their ratios;
+    jax's own (jax >= 0.12), and their ratios; on jax >= 0.12 also the lojax
+    stage alone, where both make their barriers;
   * per-call time of a jitted decorated function against the same function
     undecorated (enforce=True and enforce=False), and the ratios.
 
@@ -58,6 +59,17 @@ def lower_time(wrap, n_eqns, reps, args):
   return best_of(reps, once)
 
 
+def lojax_time(wrap, n_eqns, reps, args):
+  """Time of the lojax stage alone (jax >= 0.12), where barriers are made."""
+  best = float("inf")
+  for _ in range(reps):
+    traced = jax.jit(wrap(make_body(n_eqns))).trace(*args)
+    t0 = time.perf_counter()
+    traced.lojax  # noqa: B018 - computing it is the point
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
 def call_time(wrap, n_eqns, calls, args):
   f = jax.jit(wrap(make_body(n_eqns)))
   jax.block_until_ready(f(*args))
@@ -94,6 +106,15 @@ def main():
     ratio_jax = f"{t_ours / t_jax:9.2f}" if t_jax else f"{'-':>9}"
     print(f"{n:>6} {t_plain * 1e3:9.1f} {t_ours * 1e3:9.1f} {jax_ms} "
           f"{t_ours / t_plain:11.2f} {ratio_jax}")
+
+  if theirs:
+    print()
+    print("lojax stage alone, where the barriers are made (best of %d)" % opts.reps)
+    print(f"{'eqns':>6} {'ours ms':>9} {'jax ms':>9} {'ours/jax':>9}")
+    for n in (100, 1000):
+      t_ours = lojax_time(ours, n, opts.reps, args)
+      t_jax = lojax_time(theirs, n, opts.reps, args)
+      print(f"{n:>6} {t_ours * 1e3:9.1f} {t_jax * 1e3:9.1f} {t_ours / t_jax:9.2f}")
 
   print()
   print("per call of a jitted function, 128 floats (best of 5 batches)")
