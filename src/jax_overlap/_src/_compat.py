@@ -247,19 +247,21 @@ ASYNC_CUSTOM_CALLS = _jax_async_collectives_use_custom_calls()
 ALL_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
 
 
+def _axis_sizes() -> dict | None:
+  """Named axis -> size in the current trace; None if this jax can't tell."""
+  env = getattr(core, "get_axis_env", None)
+  return None if env is None else getattr(env(), "axis_sizes", None)
+
+
 def bound_axis_names() -> frozenset | None:
   """The named axes collectives may use here; None if this jax can't tell."""
-  env = getattr(core, "get_axis_env", None)
-  if env is None:
-    return None
-  sizes = getattr(env(), "axis_sizes", None)
+  sizes = _axis_sizes()
   return None if sizes is None else frozenset(sizes)
 
 
 def axis_size(axis_name) -> int | None:
   """The size of a named axis (or the product over a tuple); None if unknown."""
-  env = getattr(core, "get_axis_env", None)
-  sizes = getattr(env(), "axis_sizes", None) if env is not None else None
+  sizes = _axis_sizes()
   if sizes is None:
     return None
   names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)

@@ -513,8 +513,7 @@ def _start_future(name: str, fn, x) -> Future:
                 functools.partial(_finish_future, comm))
 
 
-def _finish_future(comm: Comm, value, operand, state):
-  del state
+def _finish_future(comm: Comm, value, operand):
   return finish(value, operand, comm)
 
 

@@ -91,8 +91,7 @@ class Future:
 
   @property
   def shape(self):
-    return jax.typeof(self._value).shape if hasattr(jax, "typeof") \
-        else self._value.shape
+    return jax.typeof(self._value).shape
 
   @property
   def dtype(self):
@@ -105,7 +104,7 @@ class Future:
           f"done() was called twice on {self._state.describe()}. A future is "
           "finished exactly once; keep the array the first done() returned.")
     self._state.finished = True
-    return self._done_fn(self._value, self._operand, self._state)
+    return self._done_fn(self._value, self._operand)
 
   def __repr__(self):
     return (f"Future({self._state.collective}, started at "
