@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import FutureNotFinishedError
+from jax_overlap._src.collectives.misuse import FutureNotFinishedError
 
 from lowered import stablehlo
 

@@ -1,15 +1,17 @@
 """jax-overlap: exact control over when communication and computation run."""
 
-from jax_overlap._src.collectives import all_gather_start as all_gather_start
-from jax_overlap._src.collectives import all_to_all_start as all_to_all_start
-from jax_overlap._src.collectives import ppermute_start as ppermute_start
-from jax_overlap._src.collectives import psum_scatter_start as psum_scatter_start
-from jax_overlap._src.collectives import psum_start as psum_start
-from jax_overlap._src.future import Future as Future
-from jax_overlap._src.program_order import program_order as program_order
+from jax_overlap._src.collectives.api import all_gather_start as all_gather_start
+from jax_overlap._src.collectives.api import all_to_all_start as all_to_all_start
+from jax_overlap._src.collectives.api import ppermute_start as ppermute_start
+from jax_overlap._src.collectives.api import psum_scatter_start as psum_scatter_start
+from jax_overlap._src.collectives.api import psum_start as psum_start
+from jax_overlap._src.collectives.future import Future as Future
+from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
+from jax_overlap._src.ordering.decorator import program_order as program_order
 
 __all__ = [
     "Future",
+    "FutureNotFinishedError",
     "all_gather_start",
     "all_to_all_start",
     "ppermute_start",

@@ -26,7 +26,7 @@ from jax._src import core
 from jax._src.pjit import jit_p
 
 from jax_overlap._src import _compat
-from jax_overlap._src.primitive import is_free_block
+from jax_overlap._src.ordering.primitive import is_free_block
 
 
 def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,

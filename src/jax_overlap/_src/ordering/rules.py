@@ -23,7 +23,7 @@ from jax._src.interpreters import batching
 from jax._src.interpreters import partial_eval as pe
 
 from jax_overlap._src import _compat
-from jax_overlap._src.primitive import program_order_p
+from jax_overlap._src.ordering.primitive import program_order_p
 
 
 def _rebind(args, params, body, excluded):

@@ -8,9 +8,9 @@ from typing import Callable, Sequence
 
 import jax
 
-from jax_overlap._src import lowering as _lowering  # noqa: F401 - registers rules
-from jax_overlap._src import rules as _rules  # noqa: F401 - registers rules
-from jax_overlap._src.primitive import bind
+from jax_overlap._src.ordering import lowering as _lowering  # noqa: F401 - registers rules
+from jax_overlap._src.ordering import rules as _rules  # noqa: F401 - registers rules
+from jax_overlap._src.ordering.primitive import bind
 
 _REQUIRED = object()
 

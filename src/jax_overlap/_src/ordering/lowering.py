@@ -14,8 +14,8 @@ from __future__ import annotations
 from jax._src.interpreters import mlir
 
 from jax_overlap._src import _compat
-from jax_overlap._src.barriers import run_in_order
-from jax_overlap._src.primitive import bind, program_order_p
+from jax_overlap._src.ordering.barriers import run_in_order
+from jax_overlap._src.ordering.primitive import bind, program_order_p
 
 
 def _ordered_body(closed, args, *, strict_in, strict_out):

@@ -1,0 +1,1 @@
+"""Asynchronous collectives as futures. Design notes: README.md beside this file."""

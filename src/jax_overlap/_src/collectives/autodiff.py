@@ -1,0 +1,86 @@
+"""jvp and transposition of the collective primitives.
+
+All five collectives are linear. The jvp of a start is a start on the
+tangent. For transposition the two halves trade places: the transpose of
+`done` is the *start* of the transposed collective (all_gather <->
+psum_scatter, psum <-> psum (or jax's pvary), all_to_all with its axes
+swapped, ppermute with the inverse permutation), put in flight in the
+cotangent slot of `operand`; the transpose of `start` is its *done*. So the
+backward pass issues the transposed collective where the forward pass
+finished the forward one, and an ordered backward overlaps too. A future that
+crossed a shard_map boundary lost its operand slot; its backward collective
+then runs whole at the forward start's position (still correct, not
+overlapped).
+"""
+
+from __future__ import annotations
+
+from jax._src import ad_util
+from jax._src import core
+from jax._src.interpreters import ad
+
+from jax_overlap._src.collectives.comm import transposed
+from jax_overlap._src.collectives.primitives import (
+    collective_done_p, collective_start_p, finish, start)
+
+
+def _start_jvp(primals, tangents, *, comm):
+  (x,), (t,) = primals, tangents
+  outs = collective_start_p.bind(x, comm=comm)
+  if type(t) is ad_util.Zero:
+    return outs, [ad_util.Zero(comm.out_aval.to_tangent_aval()),
+                  ad_util.Zero(comm.in_aval.to_tangent_aval())]
+  return outs, collective_start_p.bind(t, comm=comm)
+
+
+def _done_jvp(primals, tangents, *, comm):
+  out = collective_done_p.bind(*primals, comm=comm)
+  t_flight = tangents[0]
+  if type(t_flight) is ad_util.Zero:
+    return out, ad_util.Zero(core.get_aval(primals[0]).to_tangent_aval())
+  t_args = [t_flight]
+  if len(tangents) == 2 and type(tangents[1]) is not ad_util.Zero:
+    t_args.append(tangents[1])
+  return out, collective_done_p.bind(*t_args, comm=comm)
+
+
+ad.primitive_jvps[collective_start_p] = _start_jvp
+ad.primitive_jvps[collective_done_p] = _done_jvp
+
+
+def _done_transpose(ct, in_flight, *operand, comm):
+  if not operand:
+    # The operand slot was lost at a boundary: pass the cotangent through,
+    # and the start's transpose runs the whole transposed collective.
+    return [ct]
+  flight_aval = _aval(in_flight).to_tangent_aval()
+  if type(ct) is ad_util.Zero:
+    return [ad_util.Zero(flight_aval),
+            ad_util.Zero(_aval(operand[0]).to_tangent_aval())]
+  # Start the transposed collective here, where the forward one finished.
+  t_flight, _ = start(transposed(comm, ct), ct)
+  return [ad_util.Zero(flight_aval), t_flight]
+
+
+def _aval(x):
+  return x.aval if ad.is_undefined_primal(x) else core.get_aval(x)
+
+
+def _start_transpose(cts, x, *, comm):
+  del x
+  ct_flight, ct_operand = cts
+  total = None
+  if type(ct_operand) is not ad_util.Zero:
+    # The transposed collective is in flight since the forward done: end it.
+    total = finish(ct_operand, None, comm)
+  if type(ct_flight) is not ad_util.Zero:
+    t_comm = transposed(comm, ct_flight)
+    whole = finish(*start(t_comm, ct_flight), t_comm)
+    total = whole if total is None else total + whole
+  if total is None:
+    return [ad_util.Zero(comm.in_aval.to_tangent_aval())]
+  return [total]
+
+
+ad.primitive_transposes[collective_start_p] = _start_transpose
+ad.primitive_transposes[collective_done_p] = _done_transpose
