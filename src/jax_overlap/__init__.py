@@ -6,12 +6,16 @@ from jax_overlap._src.collectives.api import ppermute_start as ppermute_start
 from jax_overlap._src.collectives.api import psum_scatter_start as psum_scatter_start
 from jax_overlap._src.collectives.api import psum_start as psum_start
 from jax_overlap._src.collectives.future import Future as Future
+from jax_overlap._src.collectives.future import FutureNotFinishedWarning as FutureNotFinishedWarning
 from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
+from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
 
 __all__ = [
     "Future",
     "FutureNotFinishedError",
+    "FutureNotFinishedWarning",
+    "OrderNotKeptWarning",
     "all_gather_start",
     "all_to_all_start",
     "ppermute_start",

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax._src import core
 from jax._src import source_info_util
 from jax._src.interpreters import mlir
+from jax._src.interpreters import pxla
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 from jax._src.lib.mlir import ir
@@ -404,3 +407,122 @@ def register_linearize_rule(prim, rule: Callable):
     assert structured is None
     return outs, nonzero_out, res, lambda res, *t: lin(res, None, *t)
   _ad.primitive_linearizations[prim] = four_items
+
+
+# --- the order in the compiled program -------------------------------------------
+
+# XLA's CPU pipeline before mid-2026 (jax 0.10.2, 0.11.0) runs its barrier
+# expander, the pass named "cse_barrier_expander", before fusion and
+# scheduling: the barriers are gone before they could order anything, and the
+# compiled schedule is the one of the undecorated program. Later CPU pipelines
+# (jax 0.12) and every GPU pipeline run it after scheduling. Where it runs
+# early, compiling a module that holds ordered blocks with that pass disabled
+# keeps each barrier until the schedule is made, as the later pipeline does
+# (the CPU runtime treats a leftover barrier as a no-op). Such a module's
+# small while loops must then stay while loops: "small-while-loop-hoisting"
+# turns them into calls emitted by a code generator that has no rule for a
+# barrier (XLA aborts the process), so it is disabled too where the module
+# has a loop.
+KEEP_BARRIERS_PASS = "cse_barrier_expander"
+LOOP_HOISTING_PASS = "small-while-loop-hoisting"
+ORDERED_MODULE_ATTR = "jax_overlap.ordered"
+
+
+def mark_module_ordered(module_context) -> None:
+  """Notes on the module being lowered that it holds an ordered block."""
+  module_context.module.operation.attributes[ORDERED_MODULE_ATTR] = \
+      ir.UnitAttr.get()
+
+
+def _is_marked_ordered(computation) -> bool:
+  try:
+    return ORDERED_MODULE_ATTR in computation.operation.attributes
+  except AttributeError:  # not an MLIR module (e.g. a serialized one)
+    return False
+
+
+@functools.cache
+def cpu_expands_barriers_before_scheduling() -> bool:
+  """Whether this jaxlib's CPU compiler drops barriers before scheduling.
+
+  Found by compiling `a = x * 2; barrier(a); a + 1` on CPU: a compiler that
+  drops the barrier first fuses both ops into one instruction, one that keeps
+  it until after scheduling leaves two.
+  """
+  try:
+    cpu = jax.devices("cpu")[0]
+  except RuntimeError:  # no CPU backend in this process: nothing to keep
+    return False
+
+  def probe(x):
+    return lax_internal.optimization_barrier(x * 2.0) + 1.0
+  x = jax.device_put(np.zeros((8,), np.float32), cpu)
+  text = jax.jit(probe).lower(x).compile().as_text()
+  entry = text[text.index("\nENTRY"):].split("\n}", 1)[0]
+  compute = [line for line in entry.splitlines()[2:]
+             if not re.search(r"\b(parameter|tuple|get-tuple-element|"
+                              r"opt-barrier|copy)\(", line)]
+  return len(compute) < 2
+
+
+def _holds_loop(computation) -> bool:
+  found = []
+
+  def visit(op):
+    if op.name == "stablehlo.while":
+      found.append(op)
+      return ir.WalkResult.INTERRUPT
+    return ir.WalkResult.ADVANCE
+  computation.operation.walk(visit)
+  return bool(found)
+
+
+def _with_passes(passes: str, added: Sequence[str]) -> str:
+  names = [p for p in passes.split(",") if p]
+  return ",".join([*names, *(p for p in added if p not in names)])
+
+
+def _keep_barriers_on_cpu(create: Callable) -> Callable:
+  """Wraps jax's `create_compile_options` so that a CPU compile of a module
+  holding ordered blocks keeps its barriers until scheduling, where this
+  jaxlib would drop them first. Other compiles pass through unchanged."""
+  signature = inspect.signature(create)
+
+  @functools.wraps(create)
+  def create_compile_options(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    computation = bound.arguments["computation"]
+    backend = bound.arguments["backend"]
+    if (not _is_marked_ordered(computation)
+        or getattr(backend, "platform", None) != "cpu"
+        or not cpu_expands_barriers_before_scheduling()):
+      return create(*args, **kwargs)
+    added = [KEEP_BARRIERS_PASS]
+    if _holds_loop(computation):
+      added.append(LOOP_HOISTING_PASS)
+    user_options = dict(bound.arguments["compiler_options"] or {})
+    if "xla_disable_hlo_passes" in user_options:
+      # A user's list replaces the default one when XLA applies it: add ours.
+      user_options["xla_disable_hlo_passes"] = _with_passes(
+          str(user_options["xla_disable_hlo_passes"]), added)
+      bound.arguments["compiler_options"] = user_options
+      return create(*bound.args, **bound.kwargs)
+    options = create(*args, **kwargs)
+    debug = options.executable_build_options.debug_options
+    debug.xla_disable_hlo_passes = _with_passes(debug.xla_disable_hlo_passes,
+                                                added)
+    return options
+
+  create_compile_options._jax_overlap_wrapped = True  # type: ignore[attr-defined]
+  return create_compile_options
+
+
+def install_cpu_order_keeper() -> bool:
+  """Installs `_keep_barriers_on_cpu` once; False where this jax has no
+  `create_compile_options` to wrap (then the order may not be kept)."""
+  create = getattr(pxla, "create_compile_options", None)
+  if create is None:
+    return False
+  if not getattr(create, "_jax_overlap_wrapped", False):
+    pxla.create_compile_options = _keep_barriers_on_cpu(create)
+  return True

@@ -4,11 +4,13 @@ A future is a pytree whose one leaf is the in-flight result, so it can be
 returned from one `jax.shard_map` (or `program_order` block, or inner jit)
 and finished in another inside the same jit. It is not an array: using it as
 one, finishing it twice, or letting it leave the jit that started it are
-errors (see `collectives.py` for how the last is detected).
+errors (see `misuse.py` for how the last is detected).
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -21,26 +23,91 @@ traceback_util.register_exclusion(__file__)
 
 
 class FutureState:
-  """What every copy of one future shares: where it began, whether it ended.
+  """Where a future began and whether it ended, shared along its copies.
 
-  Copies arise when a future crosses a `shard_map` or jit boundary (the pytree
-  is flattened and rebuilt), so the state lives here and not on the `Future`.
-  Compared by identity.
+  A future is copied each time it crosses a `shard_map`, `program_order` or
+  jit boundary: flattened on one side, rebuilt on the other. Each rebuilt
+  copy gets a state of its own whose `parent` is the state it was copied
+  from, so that:
+
+  * `done()` on a copy whose original was already finished, or on an
+    original one of whose copies was finished, raises (done twice);
+  * two copies rebuilt from one cached trace (a block or jit called twice
+    traces once, and jax rebuilds its outputs at each call) are two futures,
+    each finished once.
+
+  The root state (the start's, kept in `Comm.state`) is finished when any
+  copy is; lowering reads it to find futures never finished. Compared by
+  identity.
   """
 
-  __slots__ = ("collective", "where", "finished", "internal")
+  __slots__ = ("collective", "where", "internal", "parent", "_flags",
+               "_watched", "__weakref__")
 
-  def __init__(self, collective: str, where: str, *, internal: bool = False):
+  def __init__(self, collective: str, where: str, *, internal: bool = False,
+               parent: FutureState | None = None):
     self.collective = collective
     self.where = where
-    self.finished = internal
     self.internal = internal
+    self.parent = parent
+    # [done() called on this copy, done() called on a copy made from it].
+    # A list, so that `watch`'s finalizer can read it without keeping the
+    # state alive.
+    self._flags = [internal, False]
+    self._watched = False
+
+  def copy(self) -> FutureState:
+    return FutureState(self.collective, self.where, internal=self.internal,
+                       parent=self)
+
+  @property
+  def finished(self) -> bool:
+    """done() was called on this future or on a copy made from it."""
+    return self._flags[0] or self._flags[1]
+
+  def _ancestors(self):
+    node = self.parent
+    while node is not None:
+      yield node
+      node = node.parent
+
+  def finish(self) -> None:
+    """Marks done(); raises if this future was already finished."""
+    if self.finished or any(a._flags[0] for a in self._ancestors()):
+      raise RuntimeError(
+          f"done() was called twice on {self.describe()}. A future is "
+          "finished exactly once; keep the array the first done() returned.")
+    self._flags[0] = True
+    for a in self._ancestors():
+      a._flags[1] = True
 
   def describe(self) -> str:
     return f"the future from {self.collective}_start started at {self.where}"
 
+  def watch(self) -> None:
+    """For a future that ran eagerly, where no lowering can check it: warn
+    when the last copy is collected if done() was never called."""
+    if self._watched or self.finished:
+      return
+    self._watched = True
+    finalizer = weakref.finalize(self, _warn_if_unfinished, self._flags,
+                                 self.describe())
+    finalizer.atexit = False  # a jax cache may hold it until exit: no use then
+
   def __repr__(self):
     return f"FutureState({self.collective!r}, {self.where!r})"
+
+
+class FutureNotFinishedWarning(RuntimeWarning):
+  """An eagerly run future was dropped without `done()`."""
+
+
+def _warn_if_unfinished(flags: list[bool], description: str) -> None:
+  if not any(flags):
+    warnings.warn(
+        f"{description} was never finished: call .done() on it (it ran "
+        "eagerly, outside any jit, so its value was computed but never used).",
+        FutureNotFinishedWarning, stacklevel=2)
 
 
 def user_frame() -> str:
@@ -99,11 +166,7 @@ class Future:
 
   def done(self):
     """Waits for the collective and returns its value (an array)."""
-    if self._state.finished:
-      raise RuntimeError(
-          f"done() was called twice on {self._state.describe()}. A future is "
-          "finished exactly once; keep the array the first done() returned.")
-    self._state.finished = True
+    self._state.finish()
     return self._done_fn(self._value, self._operand)
 
   def __repr__(self):
@@ -140,7 +203,7 @@ def _flatten(fut: Future):
 def _unflatten(aux, children) -> Future:
   state, done_fn = aux
   (value,) = children
-  return Future(value, None, state, done_fn)
+  return Future(value, None, state.copy(), done_fn)
 
 
 jax.tree_util.register_pytree_node(Future, _flatten, _unflatten)

@@ -12,11 +12,12 @@ from jax._src import core
 from jax._src.interpreters import batching
 
 from jax_overlap._src.collectives.comm import Comm
+from jax_overlap._src.eager_shard_map import EagerAwarePrimitive
 
 
-collective_start_p = core.Primitive("collective_start")
+collective_start_p = EagerAwarePrimitive("collective_start")
 collective_start_p.multiple_results = True
-collective_done_p = core.Primitive("collective_done")
+collective_done_p = EagerAwarePrimitive("collective_done")
 
 
 def _start_abstract_eval(x_aval, *, comm):
@@ -35,15 +36,25 @@ def _done_abstract_eval(in_flight, *operand, comm):
 collective_done_p.def_abstract_eval(_done_abstract_eval)
 
 
-# Outside any jit (e.g. an eager vmap whose collective became local math) the
-# start computes the value at once and the done hands it over.
-def _start_impl(x, *, comm):
+# Where nothing is staged (an eager shard_map, or an eager vmap whose
+# collective became local math) the start runs the collective to the end at
+# once and the done hands the value over. Such a future is watched instead:
+# one dropped without done() is reported when it is collected.
+def _start_eagerly(x, *, comm):
+  comm.state.watch()
   (y,) = core.jaxpr_as_fun(comm.jaxpr)(x)
   return [y, x]
 
 
-collective_start_p.def_impl(_start_impl)
-collective_done_p.def_impl(lambda in_flight, *operand, comm: in_flight)
+def _done_eagerly(in_flight, *operand, comm):
+  del operand, comm
+  return in_flight
+
+
+collective_start_p.def_impl(_start_eagerly)
+collective_start_p.def_eager_shard_map(_start_eagerly)
+collective_done_p.def_impl(_done_eagerly)
+collective_done_p.def_eager_shard_map(_done_eagerly)
 
 
 def start(comm: Comm, x):
@@ -58,26 +69,33 @@ def finish(in_flight, operand, comm: Comm):
 
 # --- vmap ------------------------------------------------------------------------------
 
+def _batched(comm: Comm, axis_data) -> Comm:
+  """`comm` on operands batched at dim 0. The start and its done each make
+  it; both get the same jaxpr (jax memoizes `batch_jaxpr`) and state, so the
+  done's transpose sees the batched types."""
+  jaxpr, _ = batching.batch_jaxpr(comm.jaxpr, axis_data, [True], [True])
+  return Comm(comm.name, jaxpr, comm.state)
+
+
 def _start_batch(axis_data, args, dims, *, comm):
   (x,), (d,) = args, dims
   if d is None:
     return collective_start_p.bind(x, comm=comm), [None] * 2
   x = batching.moveaxis(x, d, 0)
-  jaxpr, (out_batched,) = batching.batch_jaxpr(comm.jaxpr, axis_data, [True],
-                                               [True])
-  del out_batched
-  outs = collective_start_p.bind(x, comm=Comm(comm.name, jaxpr, comm.state))
+  outs = collective_start_p.bind(x, comm=_batched(comm, axis_data))
   return outs, [0, 0]
 
 
 def _done_batch(axis_data, args, dims, *, comm):
-  del axis_data
-  d = dims[0]
-  args = list(args)
-  if len(args) == 2 and dims[1] != d:
-    # The operand is only carried for autodiff; drop a mismatched one.
-    args = args[:1]
-  return collective_done_p.bind(*args, comm=comm), d
+  in_flight, *operand = args
+  d, *operand_dim = dims
+  if d is None:
+    return collective_done_p.bind(in_flight, comm=comm), None
+  args = [batching.moveaxis(in_flight, d, 0)]
+  if operand and operand_dim[0] is not None:
+    args.append(batching.moveaxis(operand[0], operand_dim[0], 0))
+  # (An unbatched operand slot is dropped: it only carries autodiff.)
+  return collective_done_p.bind(*args, comm=_batched(comm, axis_data)), 0
 
 
 batching.fancy_primitive_batchers[collective_start_p] = _start_batch

@@ -15,6 +15,7 @@ from jax._src.interpreters import mlir
 
 from jax_overlap._src import _compat
 from jax_overlap._src.ordering.barriers import run_in_order
+from jax_overlap._src.ordering.compiled_order import note_ordered_block
 from jax_overlap._src.ordering.primitive import bind, program_order_p
 
 
@@ -62,6 +63,7 @@ def _mlir_lowering(ctx, *args, call_jaxpr, enforce, strict_in, strict_out,
                    excluded):
   del excluded
   if enforce:
+    note_ordered_block(ctx, call_jaxpr)
     lowered = mlir.lower_fun(
         lambda *xs: _ordered_body(call_jaxpr, xs, strict_in=strict_in,
                                   strict_out=strict_out),
