@@ -10,6 +10,7 @@ delivered is said once per process with an `OrderNotKeptWarning`.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import jax
@@ -17,7 +18,11 @@ from jax._src import core
 
 from jax_overlap._src import _compat
 
-_CPU_KEEPER_INSTALLED = _compat.install_cpu_order_keeper()
+#: Set JAX_OVERLAP_KEEP_CPU_ORDER=0 to compile ordered CPU programs as XLA
+#: would by itself (then the order is not kept there, and we warn).
+KEEP_CPU_ORDER_ENV = "JAX_OVERLAP_KEEP_CPU_ORDER"
+_CPU_KEEPER_INSTALLED = (os.environ.get(KEEP_CPU_ORDER_ENV, "1") != "0"
+                         and _compat.install_cpu_order_keeper())
 _warned: set[str] = set()
 
 
@@ -42,9 +47,10 @@ def note_ordered_block(ctx, body) -> None:
   platforms = tuple(ctx.module_context.platforms or ())
   if "cpu" in platforms and not _CPU_KEEPER_INSTALLED:
     _warn_once("cpu", (
-        "program_order: this jax's CPU compiler may drop optimization "
-        "barriers before it schedules, and jax_overlap found no way to stop "
-        "it here: the compiled CPU program may not keep the written order "
+        f"program_order: jax {jax.__version__}'s CPU compiler drops "
+        "optimization barriers before it schedules, and jax_overlap is not "
+        f"keeping them here ({KEEP_CPU_ORDER_ENV}=0, or this jax offers no "
+        "way): the compiled CPU program may not keep the written order "
         "(values are unaffected)."))
   accelerators = [p for p in platforms if p != "cpu"]
   if (accelerators and not _compat.ASYNC_CUSTOM_CALLS
