@@ -10,6 +10,7 @@ from jax_overlap._src.collectives.future import FutureNotFinishedWarning as Futu
 from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
+from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
 
 __all__ = [
     "Future",
@@ -18,6 +19,7 @@ __all__ = [
     "OrderNotKeptWarning",
     "all_gather_start",
     "all_to_all_start",
+    "fsdp_scan",
     "ppermute_start",
     "program_order",
     "psum_scatter_start",

@@ -1,0 +1,1 @@
+"""Overlap patterns built on the public API: FSDP prefetch, collective matmul."""

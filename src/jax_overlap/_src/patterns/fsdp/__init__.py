@@ -1,0 +1,1 @@
+"""`fsdp_scan`: a stack of layers whose weight gathers hide behind compute."""

@@ -1,0 +1,131 @@
+"""How `fsdp_scan` moves weights: gathers and reduce-scatters, overlapped.
+
+Two contexts, one interface. `step(compute, gather=..., scatter=...)` runs
+`compute()` while the gathers of `gather` (sharded leaves) and the
+reduce-scatters of `scatter` (full gradients) are in flight, fenced with
+`program_order` so that XLA keeps the communication inside the step, and
+returns `(compute(), gathered, scattered)`.
+
+* Inside `jax.shard_map` over the axis: our futures. The step is an ordered
+  block `start…; compute (a free block); done…`, so the collectives are in
+  flight across exactly the written compute.
+* On an explicit-sharding mesh, outside shard_map: `jax.reshard` to
+  `P(reduced={axis})` gathers (its cotangent stays unreduced) and resharding
+  a gradient back to the leaf's own spec reduce-scatters. jax allows a
+  reduced value only where it does not meet a value sharded over the same
+  axis elementwise (a matmul weight: yes; a norm's scale times activations
+  sharded over the batch: no), so a leaf the layer uses that way is gathered
+  to replicated instead (its gradient is then all-reduced, not
+  reduce-scattered). These are not futures; the step is an ordered block
+  holding one free block with the reshards and the compute, which XLA's
+  scheduler may overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap import all_gather_start, program_order, psum_scatter_start
+
+
+class ShardMapTransfer:
+  """Futures over a mesh axis bound by the enclosing `shard_map`.
+
+  dims: a pytree like one layer's params: the dimension of each per-layer
+    leaf that is sharded over `axis`.
+  """
+
+  def __init__(self, axis, dims):
+    self.axis = axis
+    self.dims = dims
+
+  def _gather_starts(self, shards):
+    return jax.tree.map(lambda s, d: all_gather_start(s, self.axis, axis=d,
+                                                      tiled=True),
+                        shards, self.dims)
+
+  def _scatter_starts(self, grads):
+    return jax.tree.map(lambda g, d: psum_scatter_start(
+        g, self.axis, scatter_dimension=d, tiled=True), grads, self.dims)
+
+  def gather_now(self, shards):
+    return _finish(self._gather_starts(shards))
+
+  def scatter_now(self, grads):
+    return _finish(self._scatter_starts(grads))
+
+  def step(self, compute: Callable[[], Any], gather=None, scatter=None):
+    @program_order(enforce=True)
+    def ordered():
+      gathering = None if gather is None else self._gather_starts(gather)
+      scattering = None if scatter is None else self._scatter_starts(scatter)
+      out = program_order(enforce=False)(compute)()
+      return out, _finish(gathering), _finish(scattering)
+    return ordered()
+
+
+class ReshardTransfer:
+  """`jax.reshard` on an explicit-sharding mesh.
+
+  specs: a pytree like one layer's params: each per-layer leaf's own
+    PartitionSpec (where the gradients go back to).
+  reduced: a pytree of bools like it: gather to `P(reduced={axis})` (else to
+    replicated); see `reducible_leaves`.
+  """
+
+  def __init__(self, axis, specs, reduced=True):
+    self.axis = axis
+    self.specs = specs
+    self.reduced = (jax.tree.map(lambda _: reduced, specs,
+                                 is_leaf=lambda v: isinstance(v, P))
+                    if isinstance(reduced, bool) else reduced)
+
+  def gather_now(self, shards):
+    def gather(s, reduced):
+      spec = P(*[None] * s.ndim, reduced={self.axis}) if reduced else \
+          P(*[None] * s.ndim)
+      return jax.reshard(s, spec)
+    return jax.tree.map(gather, shards, self.reduced)
+
+  def reducible_leaves(self, layer: Callable, x, shards):
+    """Which leaves `layer(x, w)` accepts gathered as reduced: all where it
+    can, else those it accepts one at a time, else none."""
+    def accepts(mask) -> bool:
+      trial = ReshardTransfer(self.axis, self.specs, mask)
+      try:
+        jax.eval_shape(lambda x, s: layer(x, trial.gather_now(s)), x, shards)
+        return True
+      except Exception:  # noqa: BLE001 - any refusal means "not this way"
+        return False
+    every = jax.tree.map(lambda _: True, shards)
+    if accepts(every):
+      return every
+    leaves, tree = jax.tree.flatten(shards)
+    alone = [accepts(jax.tree.unflatten(tree, [j == k for j in range(len(leaves))]))
+             for k in range(len(leaves))]
+    mixed = jax.tree.unflatten(tree, alone)
+    return mixed if accepts(mixed) else jax.tree.map(lambda _: False, shards)
+
+  def scatter_now(self, grads):
+    return jax.tree.map(jax.reshard, grads, self.specs)
+
+  def step(self, compute: Callable[[], Any], gather=None, scatter=None):
+    @program_order(enforce=True)
+    def ordered():
+      @program_order(enforce=False)
+      def together():
+        gathered = None if gather is None else self.gather_now(gather)
+        scattered = None if scatter is None else self.scatter_now(scatter)
+        return compute(), gathered, scattered
+      return together()
+    return ordered()
+
+
+def _finish(futures):
+  if futures is None:
+    return None
+  return jax.tree.map(lambda f: f.done(), futures,
+                      is_leaf=lambda f: hasattr(f, "done"))
