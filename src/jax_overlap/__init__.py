@@ -10,14 +10,25 @@ from jax_overlap._src.collectives.future import FutureNotFinishedWarning as Futu
 from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
+# Seeing the overlap: the report, its cost model and hardware profiles.
+from jax_overlap._src.inspection.api import inspect as inspect
+from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareProfileError
+from jax_overlap._src.inspection.errors import HloParseError as HloParseError
+from jax_overlap._src.inspection.hardware import HardwareProfile as HardwareProfile
+from jax_overlap._src.inspection.report import OverlapReport as OverlapReport
 
 __all__ = [
     "Future",
     "FutureNotFinishedError",
     "FutureNotFinishedWarning",
+    "HardwareProfile",
+    "HardwareProfileError",
+    "HloParseError",
     "OrderNotKeptWarning",
+    "OverlapReport",
     "all_gather_start",
     "all_to_all_start",
+    "inspect",
     "ppermute_start",
     "program_order",
     "psum_scatter_start",

@@ -1,0 +1,159 @@
+"""Scanning HLO text: comments, quoted strings and nested brackets.
+
+Everything here knows that `"..."` strings (with backslash escapes) may hold
+any bracket, comma or `//`, and that `'...'` quotes names in mesh syntax.
+"""
+
+from __future__ import annotations
+
+_OPEN = {"(": ")", "{": "}", "[": "]"}
+_CLOSE = {v: k for k, v in _OPEN.items()}
+
+
+def strip_comments(text: str) -> str:
+  """`text` without `// ...` and `/* ... */` comments; newlines are kept, so
+  line numbers do not move."""
+  out = []
+  i, n = 0, len(text)
+  quote = None
+  while i < n:
+    c = text[i]
+    if quote:
+      out.append(c)
+      if c == "\\" and i + 1 < n:
+        out.append(text[i + 1])
+        i += 2
+        continue
+      if c == quote or c == "\n":
+        quote = None
+      i += 1
+    elif c == '"':
+      quote = c
+      out.append(c)
+      i += 1
+    elif text.startswith("//", i):
+      while i < n and text[i] != "\n":
+        i += 1
+    elif text.startswith("/*", i):
+      end = text.find("*/", i + 2)
+      end = n if end < 0 else end + 2
+      out.append("\n" * text.count("\n", i, end))
+      i = end
+    else:
+      out.append(c)
+      i += 1
+  return "".join(out)
+
+
+def depth_change(text: str) -> tuple[int, bool]:
+  """(opened minus closed brackets in `text`, whether a string is left open)."""
+  depth = 0
+  quote = None
+  i = 0
+  while i < len(text):
+    c = text[i]
+    if quote:
+      if c == "\\":
+        i += 1
+      elif c == quote:
+        quote = None
+    elif c in "\"'":
+      quote = c
+    elif c in _OPEN:
+      depth += 1
+    elif c in _CLOSE:
+      depth -= 1
+    i += 1
+  return depth, quote is not None
+
+
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+  """Splits at `sep` outside strings and brackets; pieces are stripped, and
+  empty pieces dropped. Raises ValueError on unbalanced brackets."""
+  pieces, start, stack, quote = [], 0, [], None
+  i = 0
+  while i < len(text):
+    c = text[i]
+    if quote:
+      if c == "\\":
+        i += 1
+      elif c == quote:
+        quote = None
+    elif c in "\"'":
+      quote = c
+    elif c in _OPEN:
+      stack.append(_OPEN[c])
+    elif c in _CLOSE:
+      if not stack or stack.pop() != c:
+        raise ValueError(f"unbalanced {c!r}")
+    elif c == sep and not stack:
+      pieces.append(text[start:i])
+      start = i + 1
+    i += 1
+  if stack or quote:
+    raise ValueError("unclosed " + (repr(quote) if quote else repr(stack[-1])))
+  pieces.append(text[start:])
+  return [p.strip() for p in pieces if p.strip()]
+
+
+def matching_close(text: str, pos: int) -> int:
+  """Index of the bracket that closes the one at `text[pos]`."""
+  stack, quote = [], None
+  i = pos
+  while i < len(text):
+    c = text[i]
+    if quote:
+      if c == "\\":
+        i += 1
+      elif c == quote:
+        quote = None
+    elif c in "\"'":
+      quote = c
+    elif c in _OPEN:
+      stack.append(_OPEN[c])
+    elif c in _CLOSE:
+      if not stack or stack.pop() != c:
+        raise ValueError(f"unbalanced {c!r}")
+      if not stack:
+        return i
+    i += 1
+  raise ValueError(f"unclosed {text[pos]!r}")
+
+
+def unquote(text: str) -> str:
+  """The value of a double-quoted HLO string (C escapes, octal included)."""
+  text = text.strip()
+  if len(text) < 2 or text[0] != '"' or text[-1] != '"':
+    raise ValueError(f"expected a quoted string, got {text[:30]!r}")
+  body = text[1:-1]
+  out = bytearray()
+  i = 0
+  simple = {"n": b"\n", "t": b"\t", "r": b"\r", '"': b'"', "\\": b"\\",
+            "'": b"'", "?": b"?", "a": b"\a", "b": b"\b", "f": b"\f",
+            "v": b"\v"}
+  while i < len(body):
+    c = body[i]
+    if c != "\\" or i + 1 >= len(body):
+      out += c.encode()
+      i += 1
+      continue
+    nxt = body[i + 1]
+    if nxt in simple:
+      out += simple[nxt]
+      i += 2
+    elif nxt in "01234567":
+      j = i + 1
+      while j < len(body) and j < i + 4 and body[j] in "01234567":
+        j += 1
+      out.append(int(body[i + 1:j], 8) & 0xFF)
+      i = j
+    elif nxt == "x":
+      j = i + 2
+      while j < len(body) and body[j] in "0123456789abcdefABCDEF":
+        j += 1
+      out.append(int(body[i + 2:j] or "0", 16) & 0xFF)
+      i = j
+    else:
+      out += nxt.encode()
+      i += 2
+  return out.decode("utf-8", errors="replace")
