@@ -29,6 +29,10 @@ _NAME = re.compile(r"%?([\w.\-]+)")
 _LOCATION_TABLES = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
 _LOCATION_ROW = re.compile(r"\d+\s")
 _NO_OPERANDS = {"parameter", "constant", "iota"}
+# Attributes without which the schedule cannot be followed.
+_REQUIRED = {"while": ("body", "condition"), "fusion": ("calls",),
+             "call": ("to_apply",), "async-start": ("calls",),
+             "call-start": ("to_apply",), "get-tuple-element": ("index",)}
 
 
 def load_hlo(text_or_path: str | os.PathLike) -> HloModule:
@@ -94,6 +98,18 @@ def parse_instruction(text: str, line_number: int = 0,
       attributes=attributes, is_root=bool(m.group(1)),
       line_number=line_number, text=text, shape_text=shape_text,
       operand_text=inner.strip())
+
+
+def _has_opcode(text: str) -> bool:
+  """Whether `text` gets as far as `name = shape opcode(`."""
+  m = _INSTRUCTION.match(text)
+  if not m:
+    return True  # not an instruction at all: let the parser say so
+  try:
+    _, pos = parse_shape(text, m.end())
+  except ValueError:
+    return False
+  return bool(re.compile(r"\s*[a-z][a-z0-9\-_]*\(").match(text, pos))
 
 
 def _attributes(rest: str, fail) -> dict[str, str]:
@@ -213,9 +229,10 @@ class _Reader:
         if chunk:
           raise self.fail("this instruction is not finished when the text "
                           "ends (truncated?)", chunk_line)
+        last = max((k + 1 for k, l in enumerate(self.lines) if l.strip()),
+                   default=0)
         raise self.fail(f"computation %{name} is not closed when the text "
-                        f"ends at line {len(self.lines)} (truncated?)",
-                        header_line)
+                        f"ends at line {last} (truncated?)", header_line)
       line = self.lines[self.i].strip()
       if not chunk:
         if not line:
@@ -237,7 +254,7 @@ class _Reader:
         raise self.fail("a bracket is closed that was never opened",
                         chunk_line)
       if depth > 0 or open_string or line.endswith(",") or \
-          self._next_line_continues():
+          self._next_line_continues(" ".join(chunk)):
         continue
       text = " ".join(chunk)
       instructions.append(parse_instruction(text, chunk_line, self.source))
@@ -247,11 +264,19 @@ class _Reader:
     self._check_operands(comp)
     return comp
 
-  def _next_line_continues(self) -> bool:
+  def _next_line_continues(self, text: str) -> bool:
+    """Whether the next line goes on with `text`: it starts with ',', or
+    `text` stops before its opcode and the next line starts no instruction."""
     j = self.i
     while j < len(self.lines) and not self.lines[j].strip():
       j += 1
-    return j < len(self.lines) and self.lines[j].strip().startswith(",")
+    if j >= len(self.lines):
+      return False
+    following = self.lines[j].strip()
+    if following.startswith(","):
+      return True
+    return not (_has_opcode(text) or following.startswith("}")
+                or _STARTS_INSTRUCTION.match(following))
 
   def _trailer(self, line: str, number: int) -> str | None:
     rest = line[1:].strip()
@@ -293,6 +318,9 @@ class _Reader:
           "line); pass the *after_optimizations.txt dump or "
           "compiled.as_text()", header_line)
     for comp, instr in module.instructions():
+      for key in _REQUIRED.get(instr.opcode, ()):
+        if key not in instr.attributes:
+          raise self.fail(f"{instr.opcode} without {key}=", instr.line_number)
       for callee in instr.callees():
         if callee not in module.computations:
           raise self.fail(f"calls %{callee}, which is not in the module",
