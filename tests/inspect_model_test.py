@@ -137,10 +137,10 @@ def test_flops_from_shapes():
   entry = module.entry
   gemm = entry.by_name["cublas-gemm.1"]        # __cublas$lt$matmul
   flops, nbytes = shape_costs(gemm, entry, module)
-  assert flops == 2 * 256 * 1024 * 1024
-  assert nbytes == (256 * 1024 + 1024 * 1024) * 2 + 256 * 1024 * 4
+  assert flops == 2 * 4096 * 8192 * 8192
+  assert nbytes == (4096 * 8192 + 8192 * 8192) * 2 + 4096 * 8192 * 4
   tanh = entry.by_name["tanh_fusion"]          # no dot inside
-  assert shape_costs(tanh, entry, module) == (0, 256 * 1024 * (4 + 2))
+  assert shape_costs(tanh, entry, module) == (0, 4096 * 8192 * (4 + 2))
   tpu = load_hlo(FIXTURES / "tpu_loop.txt")
   body = tpu.computations["while_body"]
   conv = body.by_name["conv_fusion"]           # convolution bf_io->bf

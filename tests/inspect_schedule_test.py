@@ -32,14 +32,19 @@ def test_gpu_prefetch_all_gather_overlaps_the_layer():
   r = report("gpu_prefetch.txt")
   assert [fields(c, *CORE) for c in r.collectives] == [
       ("all-gather", "all-gather-start", "all-gather-done", "main.42_spmd",
-       True, 1024 * 1024 * 2,
+       True, 8192 * 8192 * 2,
        ["convert_fusion", "cublas-gemm.1", "tanh_fusion"], False, None),
       ("all-reduce", "all-reduce-start", "all-reduce-done", "main.42_spmd",
-       True, 256 * 1024 * 4, [], False, None),
+       True, 4096 * 8192 * 4, [], False, None),
   ]
   assert [c.group_size for c in r.collectives] == [8, 8]
   assert r.collectives[0].flags == []
   assert r.collectives[1].flags == ["overlaps nothing"]
+  # The gather hides behind the layer; the all-reduce is all exposed, and a
+  # perfect schedule would hide it behind the compute there is.
+  assert r.collectives[0].exposed_s == 0
+  assert r.collectives[1].exposed_s == r.collectives[1].comm_s
+  assert r.totals["bound_exposed_s"] == 0 < r.totals["exposed_s"]
   assert r.copies == [] and r.threads == ["main"]
 
 
