@@ -193,3 +193,38 @@ def test_totals_add_up_and_bound_is_below_exposed(name, hardware):
     assert r.step_s >= r.compute_s * (1 - 1e-12)
   for c in r.collectives:
     assert c.comm_s > 0 and c.exposed_s >= 0 and c.runs >= 1
+
+
+def test_sugared_async_ops_and_a_directly_wrapped_all_gather():
+  r = OverlapReport.from_hlo("""HloModule m, is_scheduled=true, num_partitions=4
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+%wrapped_all_gather (p0: f32[256]) -> f32[1024] {
+  %p0 = f32[256]{0} parameter(0)
+  ROOT %ag = f32[1024]{0} all-gather(%p0), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+%fused_exp (p1: f32[1024]) -> f32[1024] {
+  %p1 = f32[1024]{0} parameter(0)
+  ROOT %e = f32[1024]{0} exponential(%p1)
+}
+ENTRY %main (x: f32[1024], y: f32[256]) -> (f32[256], f32[1024], f32[1024]) {
+  %x = f32[1024]{0} parameter(0)
+  %y = f32[256]{0} parameter(1)
+  %reduce-scatter-start = ((f32[1024]{0}), f32[256]{0}) reduce-scatter-start(%x), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+  %exp_fusion = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_exp
+  %reduce-scatter-update = ((f32[1024]{0}), f32[256]{0}) reduce-scatter-update(%reduce-scatter-start)
+  %reduce-scatter-done = f32[256]{0} reduce-scatter-done(%reduce-scatter-update)
+  %all-gather-start = ((f32[256]{0}), f32[1024]{0}) async-start(%y), calls=%wrapped_all_gather
+  %all-gather-done = f32[1024]{0} async-done(%all-gather-start)
+  ROOT %t = (f32[256], f32[1024], f32[1024]) tuple(%reduce-scatter-done, %all-gather-done, %exp_fusion)
+}
+""")
+  assert [fields(c, *CORE, "group_size") for c in r.collectives] == [
+      ("reduce-scatter", "reduce-scatter-start", "reduce-scatter-done", "main",
+       True, 256 * 4, ["exp_fusion"], False, None, 4),
+      ("all-gather", "all-gather-start", "all-gather-done", "main", True,
+       1024 * 4, [], False, None, 4),
+  ]
