@@ -15,11 +15,12 @@ from jax_overlap._src.inspection.written import WrittenWindow
 
 _POINT_TO_POINT = {"collective-permute", "send", "recv",
                    "collective-broadcast"}
+SHAPES_LABEL = "shapes in the HLO text"
 
 
 def build_report(module: HloModule, hardware: HardwareProfile, *,
                  source: str, cost_source: CostSource | None = None,
-                 cost_label: str = "shapes in the HLO text",
+                 cost_label: str = SHAPES_LABEL,
                  written: list[WrittenWindow] | None = None) -> OverlapReport:
   """The report of `module` with times modelled on `hardware`."""
   schedule = read_schedule(module)
@@ -41,7 +42,7 @@ def build_report(module: HloModule, hardware: HardwareProfile, *,
   }
   report = OverlapReport(
       source=source, hardware=hardware,
-      cost_source=cost_source and cost_label or "shapes in the HLO text",
+      cost_source=cost_label if cost_source is not None else SHAPES_LABEL,
       collectives=records, copies=copies, written=written_records,
       totals=totals, compute_s=timeline.compute_s, step_s=timeline.step_s,
       threads=threads, notes=[], timeline=timeline)

@@ -45,79 +45,67 @@ def strip_comments(text: str) -> str:
   return "".join(out)
 
 
+def _structure(text: str, start: int = 0) -> tuple[list[tuple[int, str]], bool]:
+  """(position and character of each bracket and comma outside quoted strings,
+  from `start` on; whether a string is left open at the end)."""
+  marks, quote = [], None
+  i = start
+  while i < len(text):
+    c = text[i]
+    if quote:
+      if c == "\\":
+        i += 1
+      elif c == quote:
+        quote = None
+    elif c in "\"'":
+      quote = c
+    elif c in _OPEN or c in _CLOSE or c == ",":
+      marks.append((i, c))
+    i += 1
+  return marks, quote is not None
+
+
 def depth_change(text: str) -> tuple[int, bool]:
   """(opened minus closed brackets in `text`, whether a string is left open)."""
-  depth = 0
-  quote = None
-  i = 0
-  while i < len(text):
-    c = text[i]
-    if quote:
-      if c == "\\":
-        i += 1
-      elif c == quote:
-        quote = None
-    elif c in "\"'":
-      quote = c
-    elif c in _OPEN:
-      depth += 1
-    elif c in _CLOSE:
-      depth -= 1
-    i += 1
-  return depth, quote is not None
+  marks, open_string = _structure(text)
+  depth = sum(1 if c in _OPEN else -1 for _, c in marks if c != ",")
+  return depth, open_string
 
 
-def split_top_level(text: str, sep: str = ",") -> list[str]:
-  """Splits at `sep` outside strings and brackets; pieces are stripped, and
+def split_top_level(text: str) -> list[str]:
+  """Splits at commas outside strings and brackets; pieces are stripped, and
   empty pieces dropped. Raises ValueError on unbalanced brackets."""
-  pieces, start, stack, quote = [], 0, [], None
-  i = 0
-  while i < len(text):
-    c = text[i]
-    if quote:
-      if c == "\\":
-        i += 1
-      elif c == quote:
-        quote = None
-    elif c in "\"'":
-      quote = c
-    elif c in _OPEN:
-      stack.append(_OPEN[c])
-    elif c in _CLOSE:
-      if not stack or stack.pop() != c:
-        raise ValueError(f"unbalanced {c!r}")
-    elif c == sep and not stack:
-      pieces.append(text[start:i])
-      start = i + 1
-    i += 1
-  if stack or quote:
-    raise ValueError("unclosed " + (repr(quote) if quote else repr(stack[-1])))
-  pieces.append(text[start:])
+  marks, open_string = _structure(text)
+  pieces, begin, stack = [], 0, []
+  for i, c in marks:
+    if c == "," and not stack:
+      pieces.append(text[begin:i])
+      begin = i + 1
+    elif c != ",":
+      _push_or_pop(stack, c)
+  if stack or open_string:
+    raise ValueError("unclosed " + (repr(stack[-1]) if stack else "string"))
+  pieces.append(text[begin:])
   return [p.strip() for p in pieces if p.strip()]
 
 
 def matching_close(text: str, pos: int) -> int:
   """Index of the bracket that closes the one at `text[pos]`."""
-  stack, quote = [], None
-  i = pos
-  while i < len(text):
-    c = text[i]
-    if quote:
-      if c == "\\":
-        i += 1
-      elif c == quote:
-        quote = None
-    elif c in "\"'":
-      quote = c
-    elif c in _OPEN:
-      stack.append(_OPEN[c])
-    elif c in _CLOSE:
-      if not stack or stack.pop() != c:
-        raise ValueError(f"unbalanced {c!r}")
-      if not stack:
-        return i
-    i += 1
+  stack: list[str] = []
+  for i, c in _structure(text, pos)[0]:
+    if c == ",":
+      continue
+    _push_or_pop(stack, c)
+    if not stack:
+      return i
   raise ValueError(f"unclosed {text[pos]!r}")
+
+
+def _push_or_pop(stack: list[str], c: str) -> None:
+  if c in _OPEN:
+    stack.append(_OPEN[c])
+  elif not stack or stack.pop() != c:
+    raise ValueError(f"unbalanced {c!r}")
 
 
 def unquote(text: str) -> str:

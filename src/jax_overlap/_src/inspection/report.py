@@ -15,8 +15,15 @@ from typing import Any
 from jax_overlap._src.inspection.hardware import HardwareProfile
 
 
+class _Record:
+  """A row of the report; `to_dict` gives its fields as plain data."""
+
+  def to_dict(self) -> dict[str, Any]:
+    return _plain(dataclasses.asdict(self))
+
+
 @dataclasses.dataclass
-class CollectiveRecord:
+class CollectiveRecord(_Record):
   """One collective, start to done. `is_async` is `async` in `to_dict`."""
 
   kind: str
@@ -38,13 +45,13 @@ class CollectiveRecord:
   flags: list[str]
 
   def to_dict(self) -> dict[str, Any]:
-    out = _plain(dataclasses.asdict(self))
+    out = super().to_dict()
     out["async"] = out.pop("is_async")
-    return _ordered(out, _COLLECTIVE_FIELDS)
+    return {k: out[k] for k in _COLLECTIVE_FIELDS}
 
 
 @dataclasses.dataclass
-class CopyRecord:
+class CopyRecord(_Record):
   """One async copy (`copy-start` to `copy-done`)."""
 
   start: str
@@ -61,12 +68,9 @@ class CopyRecord:
   exposed_s: float
   flags: list[str]
 
-  def to_dict(self) -> dict[str, Any]:
-    return _plain(dataclasses.asdict(self))
-
 
 @dataclasses.dataclass
-class WrittenRecord:
+class WrittenRecord(_Record):
   """One future as the traced program wrote it (not as compiled): the
   compute written between start and done, and what it would expose if the
   compiler kept that window (`exposed_s`)."""
@@ -82,9 +86,6 @@ class WrittenRecord:
   compute_s: float
   exposed_s: float
   flags: list[str]
-
-  def to_dict(self) -> dict[str, Any]:
-    return _plain(dataclasses.asdict(self))
 
 
 _COLLECTIVE_FIELDS = (
@@ -212,7 +213,3 @@ def _plain(value):
   if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
     return int(value)
   return value
-
-
-def _ordered(d: dict[str, Any], order) -> dict[str, Any]:
-  return {k: d[k] for k in order}
