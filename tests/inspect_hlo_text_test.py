@@ -204,3 +204,22 @@ def test_damaged_dumps_fail_with_our_error_only(name, data):
     OverlapReport.from_hlo(damaged + "\n")
   except HloParseError as e:
     assert e.line_number >= 0 and "\n" not in str(e)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(GOOD), data=st.data())
+def test_odd_backend_config_values_are_read_or_ignored(name, data):
+  text = (FIXTURES / name).read_text()
+  spots = [i + 2 for i in range(len(text)) if text.startswith('":', i)]
+  if not spots:
+    return
+  i = data.draw(st.sampled_from(spots))
+  j = i
+  while j < len(text) and text[j] not in ",}":
+    j += 1
+  value = data.draw(st.sampled_from(
+      ['"x"', "[]", "{}", "-1", "null", "true", '["1"]', '[["a"]]', "1e400"]))
+  try:
+    OverlapReport.from_hlo(text[:i] + value + text[j:])
+  except HloParseError:
+    pass

@@ -43,9 +43,10 @@ def known_trip_count(instr: HloInstruction) -> int | None:
   if isinstance(count, dict):
     count = count.get("n")
   try:
-    return int(count) if count is not None else None
-  except (TypeError, ValueError):
+    count = int(count) if count is not None else None
+  except (TypeError, ValueError, OverflowError):
     return None
+  return count if count is None or count >= 0 else None
 
 
 def frontend_attributes(instr: HloInstruction) -> dict[str, str]:

@@ -123,10 +123,15 @@ def _flops(instr, comp, module, operands) -> float:
       attrs.string_attribute(instr, "custom_call_target") or ""):
     out = instr.shape.elements[0] if instr.shape.is_tuple else instr.shape
     config = attrs.backend_config(instr).get("gemm_backend_config", {})
-    numbers = config.get("dot_dimension_numbers", {}) if isinstance(
-        config, dict) else {}
-    contracted = [int(d) for d in numbers.get("lhs_contracting_dimensions",
-                                              [])]
+    numbers = config.get("dot_dimension_numbers") if isinstance(
+        config, dict) else None
+    if not isinstance(numbers, dict):
+      numbers = {}
+    try:
+      contracted = [int(d) for d in numbers.get(
+          "lhs_contracting_dimensions", [])]
+    except (TypeError, ValueError):  # a config we cannot read: as if absent
+      contracted = []
     if not contracted and operands[0].dims:
       contracted = [len(operands[0].dims) - 1]
     return _dot_flops(out, operands[0], contracted)
@@ -142,7 +147,7 @@ def _flops(instr, comp, module, operands) -> float:
 
 
 def _dot_flops(out, lhs, contracted: list[int]) -> float:
-  k = math.prod(lhs.dims[d] for d in contracted if d < len(lhs.dims))
+  k = math.prod(lhs.dims[d] for d in contracted if 0 <= d < len(lhs.dims))
   return 2.0 * math.prod(out.dims) * k
 
 

@@ -25,6 +25,7 @@ _INSTRUCTION = re.compile(r"(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _STARTS_INSTRUCTION = re.compile(
     r"(ROOT\s+)?%?[\w.\-]+\s*=\s*(\(|[a-z][a-z0-9]*\[)")
 _OPCODE = re.compile(r"[a-z][a-z0-9\-_]*")
+_TYPED = re.compile(r"\(|[a-z][a-z0-9]*\[")
 _NAME = re.compile(r"%?([\w.\-]+)")
 _LOCATION_TABLES = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
 _LOCATION_ROW = re.compile(r"\d+\s")
@@ -142,11 +143,8 @@ def _operands(inner: str, fail) -> tuple[str, ...]:
     m = _NAME.fullmatch(last.strip())
     if not m:
       raise fail(f"cannot read the operand {piece[:40]!r}")
-    if typed.strip():
-      try:
-        parse_shape(typed.strip())
-      except ValueError:
-        raise fail(f"cannot read the operand {piece[:40]!r}") from None
+    if typed.strip() and not _TYPED.match(typed.strip()):
+      raise fail(f"cannot read the operand {piece[:40]!r}")
     names.append(m.group(1))
   return tuple(names)
 
@@ -275,8 +273,9 @@ class _Reader:
     following = self.lines[j].strip()
     if following.startswith(","):
       return True
-    return not (_has_opcode(text) or following.startswith("}")
-                or _STARTS_INSTRUCTION.match(following))
+    if following.startswith("}") or _STARTS_INSTRUCTION.match(following):
+      return False
+    return not _has_opcode(text)
 
   def _trailer(self, line: str, number: int) -> str | None:
     rest = line[1:].strip()

@@ -6,63 +6,40 @@ any bracket, comma or `//`, and that `'...'` quotes names in mesh syntax.
 
 from __future__ import annotations
 
+import re
+
 _OPEN = {"(": ")", "{": "}", "[": "]"}
 _CLOSE = {v: k for k, v in _OPEN.items()}
+
+
+_COMMENT_OR_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|//[^\n]*|/\*.*?(?:\*/|\Z)',
+                                re.S)
 
 
 def strip_comments(text: str) -> str:
   """`text` without `// ...` and `/* ... */` comments; newlines are kept, so
   line numbers do not move."""
-  out = []
-  i, n = 0, len(text)
-  quote = None
-  while i < n:
-    c = text[i]
-    if quote:
-      out.append(c)
-      if c == "\\" and i + 1 < n:
-        out.append(text[i + 1])
-        i += 2
-        continue
-      if c == quote or c == "\n":
-        quote = None
-      i += 1
-    elif c == '"':
-      quote = c
-      out.append(c)
-      i += 1
-    elif text.startswith("//", i):
-      while i < n and text[i] != "\n":
-        i += 1
-    elif text.startswith("/*", i):
-      end = text.find("*/", i + 2)
-      end = n if end < 0 else end + 2
-      out.append("\n" * text.count("\n", i, end))
-      i = end
-    else:
-      out.append(c)
-      i += 1
-  return "".join(out)
+  def keep_strings(m):
+    found = m.group(0)
+    return found if found.startswith('"') else "\n" * found.count("\n")
+  return _COMMENT_OR_STRING.sub(keep_strings, text)
+
+
+_STRUCTURE = re.compile(
+    r'"(?:[^"\\]|\\.)*(")?' + r"|'(?:[^'\\]|\\.)*(')?" + r"|[()\[\]{},]", re.S)
 
 
 def _structure(text: str, start: int = 0) -> tuple[list[tuple[int, str]], bool]:
   """(position and character of each bracket and comma outside quoted strings,
   from `start` on; whether a string is left open at the end)."""
-  marks, quote = [], None
-  i = start
-  while i < len(text):
-    c = text[i]
-    if quote:
-      if c == "\\":
-        i += 1
-      elif c == quote:
-        quote = None
-    elif c in "\"'":
-      quote = c
-    elif c in _OPEN or c in _CLOSE or c == ",":
-      marks.append((i, c))
-    i += 1
-  return marks, quote is not None
+  marks, open_string = [], False
+  for m in _STRUCTURE.finditer(text, start):
+    found = m.group(0)
+    if found[0] == '"' or found[0] == "'":
+      open_string = open_string or (m.group(1) is None and m.group(2) is None)
+    else:
+      marks.append((m.start(), found))
+  return marks, open_string
 
 
 def depth_change(text: str) -> tuple[int, bool]:
