@@ -44,6 +44,9 @@ def _structure(text: str, start: int = 0) -> tuple[list[tuple[int, str]], bool]:
 
 def depth_change(text: str) -> tuple[int, bool]:
   """(opened minus closed brackets in `text`, whether a string is left open)."""
+  if '"' not in text and "'" not in text:  # the common case, fast
+    return (sum(text.count(c) for c in _OPEN)
+            - sum(text.count(c) for c in _CLOSE)), False
   marks, open_string = _structure(text)
   depth = sum(1 if c in _OPEN else -1 for _, c in marks if c != ",")
   return depth, open_string

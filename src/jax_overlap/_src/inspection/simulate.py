@@ -111,6 +111,7 @@ class _Simulator:
     self.events: list[Event] = []
     self.dropped = 0
     self.rows: list[str] = []
+    self._row_set: set[str] = set()
 
   def run(self) -> Timeline:
     entry = self.s.module.entry
@@ -121,7 +122,8 @@ class _Simulator:
   # --- recording --------------------------------------------------------------
 
   def _event(self, row, name, start, end, category):
-    if row not in self.rows:
+    if row not in self._row_set:
+      self._row_set.add(row)
       self.rows.append(row)
     if end <= start and category != "compute":
       return

@@ -95,8 +95,15 @@ def summary(report) -> list[str]:
   return lines
 
 
+#: Past this many rows rich is slow to lay out; plain text is used instead.
+RICH_ROWS = 200
+
+
 def render(report, use_rich: bool | None = None, width: int = 140) -> str:
-  """The report as text; `use_rich=None` uses rich when it is installed."""
+  """The report as text; `use_rich=None` uses rich when it is installed and
+  the report has at most `RICH_ROWS` collectives."""
+  if use_rich is None and len(report.collectives) > RICH_ROWS:
+    use_rich = False
   if use_rich is None:
     try:
       import rich  # noqa: F401, PLC0415
