@@ -174,3 +174,17 @@ def test_xla_cost_analysis_of_one_instruction():
   assert flops == [2 * 8 * 32 * 32, 2 * 8 * 32 * 64]
   report = jo.inspect(_prefetch_layer(mesh), *ARGS)
   assert report.cost_source == xla_cost.LABEL
+
+
+def test_a_jitted_function_keeps_its_static_arguments():
+  mesh = _mesh(2)
+  psum = jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh,
+                       in_specs=P("d"), out_specs=P())
+
+  def f(x, times):
+    for _ in range(times):
+      x = psum(x)
+    return x
+
+  report = jo.inspect(jax.jit(f, static_argnums=1), jnp.ones((8,)), 3)
+  assert [c.kind for c in report.collectives] == ["all-reduce"] * 3

@@ -23,7 +23,8 @@ def inspect(fn, *args, hardware=None, **kwargs) -> OverlapReport:
   start and `done()` in the traced program (`report.written`).
 
   Args:
-    fn: a function (jitted or not) whose collectives to inspect.
+    fn: a function whose collectives to inspect; a `jax.jit` function is
+      compiled with its own options (static arguments, shardings).
     *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
     hardware: a built-in profile ('h100', 'a100', 'tpu-v5e', 'tpu-v5p'), a
       `HardwareProfile`, or a .toml/.json profile path; None for h100.
@@ -51,7 +52,9 @@ def inspect(fn, *args, hardware=None, **kwargs) -> OverlapReport:
     ['dot_general f32[8,8]']
   """
   profile = resolve_hardware(hardware)
-  traced = jax.jit(fn).trace(*args, **kwargs)
+  # A jitted function keeps its own options (static arguments, shardings).
+  jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
+  traced = jitted.trace(*args, **kwargs)
   compiled = traced.lower().compile()
   platform = jax.default_backend()
   name = getattr(fn, "__name__", type(fn).__name__)
