@@ -1,10 +1,12 @@
 """Reading scheduled HLO text (`*after_optimizations.txt`, `compiled.as_text()`).
 
 The text is read line by line into computations of instructions. An
-instruction may span several lines (a line ending in ',' or with a bracket
-left open continues). `//` and `/* */` comments are dropped first; the
-source-location tables newer XLA prints after the header are skipped. Every
-failure is an `HloParseError` naming the line.
+instruction may span several lines: it goes on while a bracket or string is
+open, after a line ending in ',', before a line starting with ',', and while
+it has not reached its opcode and the next line starts no instruction. `//`
+and `/* */` comments are dropped first; the source-location tables newer XLA
+prints after the header are skipped. Every failure is an `HloParseError`
+naming the line.
 """
 
 from __future__ import annotations

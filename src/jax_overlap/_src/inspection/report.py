@@ -192,6 +192,12 @@ class OverlapReport:
     from jax_overlap._src.inspection import table  # noqa: PLC0415
     return table.render(self)
 
+  def __repr__(self) -> str:
+    t = self.totals
+    return (f"OverlapReport({self.source!r}, {len(self.collectives)} "
+            f"collectives, exposed_s={t['exposed_s']:.3g}, bound_exposed_s="
+            f"{t['bound_exposed_s']:.3g}, modelled on {self.hardware.name})")
+
   def save_timeline(self, path: str | os.PathLike) -> None:
     """Draws the modelled timeline as a PNG (needs matplotlib)."""
     from jax_overlap._src.inspection import timeline  # noqa: PLC0415
