@@ -11,15 +11,26 @@ from jax_overlap._src.collectives.misuse import FutureNotFinishedError as Future
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
 from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
+# Seeing the overlap: the report, its cost model and hardware profiles.
+from jax_overlap._src.inspection.api import inspect as inspect
+from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareProfileError
+from jax_overlap._src.inspection.errors import HloParseError as HloParseError
+from jax_overlap._src.inspection.hardware import HardwareProfile as HardwareProfile
+from jax_overlap._src.inspection.report import OverlapReport as OverlapReport
 
 __all__ = [
     "Future",
     "FutureNotFinishedError",
     "FutureNotFinishedWarning",
+    "HardwareProfile",
+    "HardwareProfileError",
+    "HloParseError",
     "OrderNotKeptWarning",
+    "OverlapReport",
     "all_gather_start",
     "all_to_all_start",
     "fsdp_scan",
+    "inspect",
     "ppermute_start",
     "program_order",
     "psum_scatter_start",

@@ -1,0 +1,1 @@
+"""The `jax-overlap` command line."""

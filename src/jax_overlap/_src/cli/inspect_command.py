@@ -1,0 +1,92 @@
+"""Report what each collective of a scheduled HLO dump overlapped.
+
+  jax-overlap inspect FILE [--hardware NAME|FILE] [--json]
+                           [--timeline out.png] [--trace out.json]
+  jax-overlap inspect --diff A B [--hardware NAME|FILE] [--json]
+
+FILE is a scheduled HLO text dump: *after_optimizations.txt from
+XLA_FLAGS=--xla_dump_to=DIR, or compiled.as_text(). All times are modelled on
+the hardware profile (default h100), not measured. Exit status: 0 on
+success, 2 for bad input (unreadable file, malformed HLO, unknown hardware).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+
+from jax_overlap._src.inspection.diff import diff_reports
+from jax_overlap._src.inspection.errors import (
+    HardwareProfileError, HloParseError)
+from jax_overlap._src.inspection.hardware import HardwareProfile
+from jax_overlap._src.inspection.report import OverlapReport
+from jax_overlap._src.inspection.table import render
+
+NAME = "inspect"
+HELP = "what each collective in an HLO dump overlapped (modelled times)"
+BAD_INPUT = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.formatter_class = argparse.RawDescriptionHelpFormatter
+  parser.add_argument("file", nargs="?", metavar="FILE",
+                      help="scheduled HLO text (*after_optimizations.txt)")
+  parser.add_argument("--diff", nargs=2, metavar=("A", "B"),
+                      help="show what changed from dump A to dump B")
+  parser.add_argument(
+      "--hardware", metavar="NAME|FILE", default=None,
+      help="a built-in profile (" + ", ".join(HardwareProfile.builtin_names())
+      + ") or a .toml/.json profile file; default h100")
+  parser.add_argument("--json", action="store_true",
+                      help="print the report as JSON")
+  parser.add_argument("--timeline", metavar="OUT.png",
+                      help="draw the modelled timeline as a PNG")
+  parser.add_argument("--trace", metavar="OUT.json",
+                      help="write the modelled timeline for ui.perfetto.dev")
+
+
+def run(args: argparse.Namespace) -> int:
+  if args.diff and args.file:
+    return _fail("give FILE or --diff A B, not both")
+  if not args.diff and not args.file:
+    return _fail("give a FILE to inspect, or --diff A B")
+  if args.diff and (args.timeline or args.trace):
+    return _fail("--timeline and --trace draw one report; drop --diff")
+  try:
+    if args.diff:
+      a, b = (OverlapReport.from_hlo(p, hardware=args.hardware)
+              for p in args.diff)
+      diff = diff_reports(a, b)
+      if args.json:
+        print(json.dumps(diff.to_dict(), indent=2))
+      else:
+        print(diff, end="")
+      return 0
+    report = OverlapReport.from_hlo(args.file, hardware=args.hardware)
+  except (HloParseError, HardwareProfileError) as e:
+    return _fail(str(e))
+  if args.json:
+    print(report.to_json())
+  else:
+    width = max(100, shutil.get_terminal_size((140, 24)).columns)
+    print(render(report, width=width), end="")
+  try:
+    if args.timeline:
+      report.save_timeline(args.timeline)
+      print(f"wrote {args.timeline}", file=sys.stderr)
+    if args.trace:
+      report.save_trace(args.trace)
+      print(f"wrote {args.trace}", file=sys.stderr)
+  except OSError as e:
+    return _fail(f"cannot write {e.filename}: {e.strerror}")
+  except ImportError as e:
+    print(f"jax-overlap inspect: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _fail(message: str) -> int:
+  print(f"jax-overlap inspect: error: {message}", file=sys.stderr)
+  return BAD_INPUT

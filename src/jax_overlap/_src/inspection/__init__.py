@@ -1,0 +1,1 @@
+"""Seeing the overlap: schedules, a cost model, the report and its pictures."""
