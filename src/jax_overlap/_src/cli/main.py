@@ -11,6 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = (
+    "jax_overlap._src.cli.demo_command",
     "jax_overlap._src.cli.inspect_command",
 )
 

@@ -1,0 +1,1 @@
+"""The demo behind `make demo` / `jax-overlap demo`: FSDP training, shown."""
