@@ -11,6 +11,10 @@ from jax_overlap._src.collectives.misuse import FutureNotFinishedError as Future
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
 
+# Overlap patterns, built on the public names above.
+from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul
+from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
+
 __all__ = [
     "Future",
     "FutureNotFinishedError",
@@ -22,5 +26,8 @@ __all__ = [
     "program_order",
     "psum_scatter_start",
     "psum_start",
+    # Overlap patterns.
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Overlap patterns built on the public API: collective matmul, FSDP prefetch."""
