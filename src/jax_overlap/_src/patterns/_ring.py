@@ -60,29 +60,31 @@ def gather_ring(ring: Ring, chunk, operands, state,
   the next device. `operands` and `state` are pytrees of arrays.
   """
   left_hops, right_hops = ring.hops
+  hops = {_LEFT: left_hops, _RIGHT: right_hops}
+  # Device index arithmetic stays outside the ordered block, which then
+  # holds only the sends, the compute and the dones. The left ring brings
+  # the chunk of index + step, the right one that of index - step.
+  index = jax.lax.axis_index(ring.axis)
+  sources = {(d, step): (index - d * step) % ring.size
+             for d in hops for step in range(1, hops[d] + 1)}
 
   @program_order(enforce=True)
-  def run(index, chunk, operands, state):
+  def run(chunk, operands, state, index, sources):
     held = {_LEFT: chunk, _RIGHT: chunk}
-    hops = {_LEFT: left_hops, _RIGHT: right_hops}
     for step in range(left_hops + 1):
       sending = [d for d in held if step < hops[d]]
       futures = {d: ppermute_start(held[d], ring.axis, ring.perm(d))
                  for d in sending}
       if step == 0:
         state = consume(operands, state, chunk, index)
-      else:
-        for d in held:
-          if step <= hops[d]:
-            # The left ring brings the chunk of index + step, the right one
-            # that of index - step.
-            source = (index - d * step) % ring.size
-            state = consume(operands, state, held[d], source)
+      for d in held:
+        if 1 <= step <= hops[d]:
+          state = consume(operands, state, held[d], sources[d, step])
       for d in sending:
         held[d] = futures[d].done()
     return state
 
-  return run(jax.lax.axis_index(ring.axis), chunk, operands, state)
+  return run(chunk, operands, state, index, sources)
 
 
 def reduce_scatter_ring(ring: Ring, operands,
@@ -99,8 +101,14 @@ def reduce_scatter_ring(ring: Ring, operands,
   # Both rings end on the last step: the shorter one starts later.
   first_step = {d: left_hops - h for d, h in hops.items()}
 
+  # An accumulator travels `hops` devices in its ring's direction to its
+  # owner; the one here after `local` hops is that many devices short of it.
+  index = jax.lax.axis_index(ring.axis)
+  targets = {(d, local): (index + d * (hops[d] - local)) % ring.size
+             for d in hops for local in range(hops[d])}
+
   @program_order(enforce=True)
-  def run(index, operands):
+  def run(operands, index, targets):
     acc = {}
     received = {}
     for step in range(left_hops + 1):
@@ -108,14 +116,8 @@ def reduce_scatter_ring(ring: Ring, operands,
       sending = [d for d in hops if 1 <= local[d] <= hops[d]]
       futures = {d: ppermute_start(acc[d], ring.axis, ring.perm(d))
                  for d in sending}
-      parts = {}
-      for d in hops:
-        if 0 <= local[d] < hops[d]:
-          # An accumulator travels `hops` devices in its ring's direction
-          # to its owner; the one here after `local` hops is that many
-          # devices short of it.
-          target = (index + d * (hops[d] - local[d])) % ring.size
-          parts[d] = part(operands, target)
+      parts = {d: part(operands, targets[d, local[d]])
+               for d in hops if 0 <= local[d] < hops[d]}
       if step == left_hops:
         own = part(operands, index)
       for d in sending:
@@ -127,4 +129,4 @@ def reduce_scatter_ring(ring: Ring, operands,
         own = own + received[d]
     return own
 
-  return run(jax.lax.axis_index(ring.axis), operands)
+  return run(operands, index, targets)

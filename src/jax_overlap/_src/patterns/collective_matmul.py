@@ -154,11 +154,19 @@ def _accumulator_dtype(dtype):
   return dtype
 
 
+def _zeros(shape, dtype, *, like):
+  """A buffer to fill, typed as varying over the mesh axes `like` varies
+  over, so that filling it inside the ring casts nothing there."""
+  axes = tuple(sorted(_varying_axes(like), key=str))
+  zeros = jnp.zeros(shape, dtype)
+  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
 def _gather_then_matmul(ring: Ring, dim: int, x, w):
   out_shape = list(x.shape)
   out_shape[dim] *= ring.size
   out_shape[-1] = w.shape[1]
-  out = jnp.zeros(out_shape, jnp.result_type(x, w))
+  out = _zeros(out_shape, jnp.result_type(x, w), like=x)
 
   def consume(w, out, held, source):
     return _put_block(out, held @ w, source, dim)
@@ -195,7 +203,7 @@ def _all_gather_matmul_bwd(ring, dim, residuals, dy):
 
   def consume(dy, dw, held, source):
     return dw + _contract_rows(held, _block(dy, source, rows, dim), dtype)
-  dw = gather_ring(ring, x, dy, jnp.zeros(w.shape, dtype), consume)
+  dw = gather_ring(ring, x, dy, _zeros(w.shape, dtype, like=x), consume)
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -217,8 +225,8 @@ def _matmul_reduce_scatter_bwd(ring, dim, residuals, dy):
   x, w = residuals
   rows = dy.shape[dim]
   dw_dtype = _accumulator_dtype(jnp.result_type(x, dy))
-  state = (jnp.zeros(x.shape, jnp.result_type(dy, w)),
-           jnp.zeros(w.shape, dw_dtype))
+  state = (_zeros(x.shape, jnp.result_type(dy, w), like=dy),
+           _zeros(w.shape, dw_dtype, like=dy))
 
   def consume(operands, state, held, source):
     x, w = operands
@@ -280,18 +288,18 @@ def _dimension(name: str, arg: str, value, shape, what: str,
   if isinstance(value, (bool, np.bool_)) or not isinstance(
       value, (int, np.integer)):
     raise TypeError(f"{name}({arg}={value!r}) must be an int.")
+  allowed = ("0 or -2" if ndim == 2 else
+             f"in 0 .. {ndim - 2} (or {-ndim} .. -2 from the end)")
   if not -ndim <= value < ndim:
     raise ValueError(
-        f"{name}({arg}={value}): {what} has {ndim} dimensions (shape "
-        f"{tuple(shape)}); use one of {-ndim} .. {ndim - 2}, any but the "
-        "last.")
+        f"{name}({arg}={value}): {what} has shape {tuple(shape)}, so {arg} "
+        f"must be {allowed}, any dimension but the last.")
   dim = int(value) % ndim
   if dim == ndim - 1:
     raise ValueError(
-        f"{name}({arg}={value}) names the last dimension of {what}, "
-        f"{last_is}, which cannot be split between devices here. Use one of "
-        f"0 .. {ndim - 2} (a row or batch dimension of shape "
-        f"{tuple(shape)}).")
+        f"{name}({arg}={value}) names the last dimension of {what} (shape "
+        f"{tuple(shape)}), {last_is}; this pattern splits a row or batch "
+        f"dimension only: {arg} must be {allowed}.")
   return dim
 
 
