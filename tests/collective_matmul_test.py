@@ -20,8 +20,9 @@ from jax_overlap._src.collectives.primitives import (
 from jax_overlap._src.patterns import collective_matmul
 
 SIZES = [1, 2, 4, 8]
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / \
-    "collective_matmul.py"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "collective_matmul.py"
+README = ROOT / "README.md"
 
 
 def _mesh(n):
@@ -373,12 +374,24 @@ def test_docstring_examples_run():
   assert runner.summarize(verbose=False).failed == 0
 
 
-def test_example_runs():
-  out = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True,
+def _run(*args):
+  out = subprocess.run([sys.executable, *args], capture_output=True,
                        text=True, timeout=600,
                        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-                            "PYTHONPATH": str(EXAMPLE.parents[1] / "src")})
+                            "PYTHONPATH": str(ROOT / "src")})
   assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+def test_readme_section_runs():
+  section = README.read_text().split("\n## Collective matmul\n", 1)[1]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  out = _run("-c", code)
+  assert out.stdout.split() == ["(64,", "16)", "(16,", "128)"], out.stdout
+
+
+def test_example_runs():
+  out = _run(str(EXAMPLE))
   lines = out.stdout.splitlines()
   assert sum("match the unfused" in line for line in lines) == 2, out.stdout
   step = next(line for line in lines if line.startswith("one ring step:"))

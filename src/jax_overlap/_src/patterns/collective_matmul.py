@@ -8,17 +8,18 @@ here runs. Each function is the other's transpose, and its `jax.custom_vjp`
 backward pass is the other ring, overlapped the same way.
 
 Dimensions: `x` is `(..., k)` and `w` is `(k, n)`; the last dimension of `x`
-is contracted. The gathered (or scattered) dimension is any other dimension
-of `x` (of `x @ w`): a row dimension or a leading batch dimension. Not the
-contracted one, nor the columns of `x @ w`: gathering over `k` or scattering
-over `n` would each need the other one's ring to gather or scatter over a
-contracted dimension, which it cannot, so neither would have a transpose of
-this kind.
+is contracted. The gathered (or scattered) dimension may be any dimension of
+`x` (of `x @ w`) but the last: a row dimension or a leading batch dimension,
+negative values counting from the end. Gathering `k` or scattering `n` would
+make the transpose gather or scatter over a contracted dimension, which is
+another pattern (a sum of block products), so both are refused at the call.
+
+Partial sums travel, and are added, in the dtype of `x @ w`, as
+`psum_scatter`'s are; a gradient's local sums of low-precision blocks are
+kept in float32 and cast back once.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -184,19 +185,30 @@ def _matmul_then_scatter(ring: Ring, dim: int, x, w):
 
 # --- gradients: each is the other's transpose ------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _all_gather_matmul(ring: Ring, dim: int, x, w):
-  return _gather_then_matmul(ring, dim, x, w)
+def _with_transpose(forward, transpose):
+  """`forward(ring, dim, x, w)` as a `jax.custom_vjp` whose backward pass is
+  `transpose(ring, dim, x, w, dy) -> (dx, dw)`.
+
+  Only this device's `x` and `w` are saved: a backward pass that needs `x`
+  gathered gathers it again in a ring rather than keep it alive.
+  """
+  fn = jax.custom_vjp(forward, nondiff_argnums=(0, 1))
+
+  def fwd(ring, dim, x, w):
+    return forward(ring, dim, x, w), (x, w)
+
+  def bwd(ring, dim, residuals, dy):
+    x, w = residuals
+    dx, dw = transpose(ring, dim, x, w, dy)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+  fn.defvjp(fwd, bwd)
+  return fn
 
 
-def _all_gather_matmul_fwd(ring, dim, x, w):
-  # Only this device's block is saved; the backward pass gathers it again
-  # in a ring rather than keep the whole gathered x alive.
-  return _gather_then_matmul(ring, dim, x, w), (x, w)
-
-
-def _all_gather_matmul_bwd(ring, dim, residuals, dy):
-  x, w = residuals
+def _gather_then_matmul_transpose(ring: Ring, dim: int, x, w, dy):
+  # dx: dy's rows, summed over the devices and scattered back to the block
+  # each came from; dw: the gathered x against dy, one block at a time.
   dx = _matmul_then_scatter(ring, dim, dy, w.T)
   rows = x.shape[dim]
   dtype = _accumulator_dtype(jnp.result_type(x, dy))
@@ -204,25 +216,12 @@ def _all_gather_matmul_bwd(ring, dim, residuals, dy):
   def consume(dy, dw, held, source):
     return dw + _contract_rows(held, _block(dy, source, rows, dim), dtype)
   dw = gather_ring(ring, x, dy, _zeros(w.shape, dtype, like=x), consume)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
+  return dx, dw
 
 
-_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _matmul_reduce_scatter(ring: Ring, dim: int, x, w):
-  return _matmul_then_scatter(ring, dim, x, w)
-
-
-def _matmul_reduce_scatter_fwd(ring, dim, x, w):
-  return _matmul_then_scatter(ring, dim, x, w), (x, w)
-
-
-def _matmul_reduce_scatter_bwd(ring, dim, residuals, dy):
+def _matmul_then_scatter_transpose(ring: Ring, dim: int, x, w, dy):
   # The cotangent of x @ w is dy gathered along `dim`; one ring of dy blocks
   # feeds both dx = gathered dy @ w.T and dw = x^T @ gathered dy.
-  x, w = residuals
   rows = dy.shape[dim]
   dw_dtype = _accumulator_dtype(jnp.result_type(x, dy))
   state = (_zeros(x.shape, jnp.result_type(dy, w), like=dy),
@@ -234,12 +233,13 @@ def _matmul_reduce_scatter_bwd(ring, dim, residuals, dy):
     dx = _put_block(dx, held @ w.T, source, dim)
     dw = dw + _contract_rows(_block(x, source, rows, dim), held, dw_dtype)
     return dx, dw
-  dx, dw = gather_ring(ring, dy, (x, w), state, consume)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
+  return gather_ring(ring, dy, (x, w), state, consume)
 
 
-_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd,
-                              _matmul_reduce_scatter_bwd)
+_all_gather_matmul = _with_transpose(_gather_then_matmul,
+                                     _gather_then_matmul_transpose)
+_matmul_reduce_scatter = _with_transpose(_matmul_then_scatter,
+                                         _matmul_then_scatter_transpose)
 
 
 # --- checks at the call site ---------------------------------------------------------
