@@ -18,6 +18,10 @@ from jax_overlap._src.inspection.errors import HloParseError as HloParseError
 from jax_overlap._src.inspection.hardware import HardwareProfile as HardwareProfile
 from jax_overlap._src.inspection.report import OverlapReport as OverlapReport
 
+# Overlap patterns, built on the public names above.
+from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul
+from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
+
 __all__ = [
     "Future",
     "FutureNotFinishedError",
@@ -35,5 +39,8 @@ __all__ = [
     "program_order",
     "psum_scatter_start",
     "psum_start",
+    # Overlap patterns.
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
 ]
 __version__ = "0.1.0"

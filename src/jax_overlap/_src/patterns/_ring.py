@@ -1,0 +1,132 @@
+"""Rings of `ppermute_start` steps, each hidden behind the compute of one chunk.
+
+Both collective matmuls are made of two rings over a mesh axis of `size`
+devices, fenced with `program_order(enforce=True)` so that each step runs as
+written: start the send, compute on what is already here, then `done()`.
+
+* `gather_ring`: every device's chunk visits every device. Device `i` sees its
+  own chunk first, then the one from `i + 1`, `i + 2`, ... (the "left" ring
+  sends to `i - 1`); with `bidirectional=True` a second ring sends to `i + 1`
+  at the same time, bringing `i - 1`, `i - 2`, ..., so each ring makes about
+  half the hops.
+* `reduce_scatter_ring`: an accumulator per output chunk travels towards the
+  device that owns the chunk, and each device on the way adds its part. The
+  accumulator for chunk `t` starts `hops` devices away from `t` on its ring.
+
+With `size` devices the left ring makes `size - 1` hops, or `size // 2` when
+bidirectional (the right ring then makes `(size - 1) // 2`): the two cover the
+`size - 1` other devices, and the whole takes `size // 2` steps instead of
+`size - 1`. With `size == 1` there is nothing to send.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from jax_overlap import ppermute_start, program_order
+
+
+class Ring(NamedTuple):
+  """The static description of the rings over one mesh axis."""
+
+  axis: Any
+  size: int
+  bidirectional: bool
+
+  @property
+  def hops(self) -> tuple[int, int]:
+    """(hops of the left ring, hops of the right ring)."""
+    if self.bidirectional:
+      return self.size // 2, (self.size - 1) // 2
+    return self.size - 1, 0
+
+  def perm(self, shift: int) -> list[tuple[int, int]]:
+    """Each device sends to the one `shift` places further along the axis."""
+    return [(j, (j + shift) % self.size) for j in range(self.size)]
+
+
+_LEFT, _RIGHT = -1, +1
+
+
+def gather_ring(ring: Ring, chunk, operands, state,
+                consume: Callable[[Any, Any, Any, Any], Any]):
+  """Folds every device's `chunk` into `state`, each as it arrives.
+
+  Calls `state = consume(operands, state, held, source)` once per device of
+  the axis, with `held` the chunk of device `source` (a traced index), the
+  own chunk first; while it runs, the held chunk is already on its way to
+  the next device. `operands` and `state` are pytrees of arrays.
+  """
+  left_hops, right_hops = ring.hops
+  hops = {_LEFT: left_hops, _RIGHT: right_hops}
+  # Device index arithmetic stays outside the ordered block, which then
+  # holds only the sends, the compute and the dones. The left ring brings
+  # the chunk of index + step, the right one that of index - step.
+  index = jax.lax.axis_index(ring.axis)
+  sources = {(d, step): (index - d * step) % ring.size
+             for d in hops for step in range(1, hops[d] + 1)}
+
+  @program_order(enforce=True)
+  def run(chunk, operands, state, index, sources):
+    held = {_LEFT: chunk, _RIGHT: chunk}
+    for step in range(left_hops + 1):
+      sending = [d for d in held if step < hops[d]]
+      futures = {d: ppermute_start(held[d], ring.axis, ring.perm(d))
+                 for d in sending}
+      if step == 0:
+        state = consume(operands, state, chunk, index)
+      for d in held:
+        if 1 <= step <= hops[d]:
+          state = consume(operands, state, held[d], sources[d, step])
+      for d in sending:
+        held[d] = futures[d].done()
+    return state
+
+  return run(chunk, operands, state, index, sources)
+
+
+def reduce_scatter_ring(ring: Ring, operands,
+                        part: Callable[[Any, Any], Any]):
+  """Sums `part(operands, index)` over the devices, for this device's index.
+
+  `part(operands, t)` is this device's contribution to the output chunk of
+  device `t` (a traced index); the result is, on device `i`, the sum over
+  all devices of their `part(..., i)`. Each accumulator is sent on while
+  the next part is computed.
+  """
+  left_hops, right_hops = ring.hops
+  hops = {_LEFT: left_hops, _RIGHT: right_hops}
+  # Both rings end on the last step: the shorter one starts later.
+  first_step = {d: left_hops - h for d, h in hops.items()}
+
+  # An accumulator travels `hops` devices in its ring's direction to its
+  # owner; the one here after `local` hops is that many devices short of it.
+  index = jax.lax.axis_index(ring.axis)
+  targets = {(d, local): (index + d * (hops[d] - local)) % ring.size
+             for d in hops for local in range(hops[d])}
+
+  @program_order(enforce=True)
+  def run(operands, index, targets):
+    acc = {}
+    received = {}
+    for step in range(left_hops + 1):
+      local = {d: step - first_step[d] for d in hops}
+      sending = [d for d in hops if 1 <= local[d] <= hops[d]]
+      futures = {d: ppermute_start(acc[d], ring.axis, ring.perm(d))
+                 for d in sending}
+      parts = {d: part(operands, targets[d, local[d]])
+               for d in hops if 0 <= local[d] < hops[d]}
+      if step == left_hops:
+        own = part(operands, index)
+      for d in sending:
+        received[d] = futures[d].done()
+      for d in parts:
+        acc[d] = parts[d] if local[d] == 0 else received[d] + parts[d]
+    for d in hops:
+      if hops[d]:
+        own = own + received[d]
+    return own
+
+  return run(operands, index, targets)
