@@ -204,6 +204,27 @@ def test_fsdp_loops_run_their_trip_count(fsdp_reports):
   assert fsdp_reports[8].compute_s > 1.9 * fsdp_reports[4].compute_s
 
 
+def test_fsdp_forward_alone_runs_inside_its_custom_vjp():
+  # Without autodiff the traced program keeps fsdp_scan's custom_vjp call,
+  # which is modelled inline: the forward pass, its first gathers bare.
+  layers = 6
+  mesh = _mesh(8)
+  specs = {"w1": P(None, AXIS), "w2": P(None, AXIS)}
+
+  @jax.shard_map(mesh=mesh, in_specs=(P(AXIS), specs), out_specs=P(AXIS))
+  def model(x, params):
+    return jo.fsdp_scan(_mlp_layer, x, params, axis=AXIS)
+
+  params = {"w1": _sds(layers, D, H), "w2": _sds(layers, H, D)}
+  report = jo.inspect(model, _sds(8 * BATCH, D), params, schedule="written")
+  assert {c.kind for c in report.collectives} == {"all-gather"}
+  bare = [c for c in report.collectives if "overlaps nothing" in c.flags]
+  assert len(bare) == 2 and all(c.runs == 1 for c in bare)
+  assert report.totals["exposed_s"] == pytest.approx(
+      sum(c.comm_s for c in bare), rel=1e-9)
+  assert sum(c.runs for c in report.collectives) == 2 * layers
+
+
 def test_plain_scan_with_synchronous_gathers_exposes_everything():
   layers = 8
   step, args = _training_step(layers, fsdp=False)
@@ -310,6 +331,44 @@ def test_a_cond_is_modelled_by_its_costliest_branch():
   assert "dot_general.1" in c.overlapped and "add.1" not in c.overlapped
   assert any("has 2 branches; the costliest (branch 1) is modelled" in n
              for n in report.notes)
+
+
+def test_calls_run_inline_and_long_scans_cost_three_iterations():
+  # A future started outside a checkpointed, jitted function and finished
+  # after it: the matmul inside hides it. The scan of 100 iterations is
+  # modelled by its steady state: 3 iterations of events, 100 runs.
+  mesh = _mesh(2)
+  trip = 100
+
+  @jax.checkpoint
+  @jax.jit
+  def inner(x):
+    return jax.nn.relu(x @ x)
+
+  @jax.shard_map(mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS))
+  def f(w_shard, x):
+    fut = jo.all_gather_start(w_shard, AXIS, tiled=True)
+    y = inner(x)
+    w = fut.done()
+
+    def body(y, _):
+      g = jo.psum_start(y, AXIS)
+      y = inner(y)
+      return y + g.done(), None
+
+    y, _ = lax.scan(body, y, None, length=trip)
+    return (y @ w)[:1]
+
+  report = jo.inspect(f, _sds(K, K), _sds(K, K), schedule="written")
+  gather, psum = report.collectives
+  assert gather.overlapped[0] == "dot_general.1" and gather.runs == 1
+  assert (psum.kind, psum.runs, psum.trip_count) == ("all-reduce", trip, trip)
+  matmuls = [e for e in report.timeline.events
+             if e.category == "compute" and e.name.startswith("dot_general")]
+  assert len(matmuls) == 1 + 3 + 1   # before, 3 iterations drawn, after
+  (repeat,) = [e for e in report.timeline.events if e.category == "loop"]
+  assert repeat.name.endswith(f"{trip - 3} more iterations like the last")
+  assert report.compute_s > (trip + 2) * _dot_seconds(K, K, K)
 
 
 def test_a_while_loop_of_unknown_trip_count_runs_once():
