@@ -18,7 +18,7 @@ NO_LHS = str(FIXTURES / "gpu_prefetch_no_lhs.txt")
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 COLLECTIVE_FIELDS = [
-    "kind", "start", "done", "computation", "thread", "async",
+    "kind", "start", "done", "computation", "where", "thread", "async",
     "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags"]
 
@@ -43,6 +43,7 @@ def test_json_has_the_documented_fields(capsys):
   assert code == 0
   data = json.loads(out)
   assert list(data["totals"]) == ["comm_s", "exposed_s", "bound_exposed_s"]
+  assert data["schedule"] == "compiled"
   assert data["hardware"]["name"] == "tpu-v5p"
   assert "not measured" in data["modelled"]
   for c in data["collectives"]:

@@ -1,7 +1,9 @@
 """`jax_overlap.inspect` on live CPU compiles of programs with our futures.
 
-CPU compiles every collective blocking, so the report must say so and give
-the windows as written in the traced program instead.
+CPU compiles every collective blocking, so the compiled report
+(`schedule="compiled"`) must say so and give the windows as written in the
+traced program beside it. The written schedule is tested in
+`inspect_written_schedule_test.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ ARGS = (jnp.ones((64, 32)), jnp.ones((32, 32)), jnp.ones((64, 32)))
 
 
 def test_cpu_makes_the_pair_blocking_and_the_written_window_is_reported():
-  report = jo.inspect(_prefetch_layer(_mesh(8)), *ARGS)
+  report = jo.inspect(_prefetch_layer(_mesh(8)), *ARGS, schedule="compiled")
   (c,) = report.collectives
   assert (c.kind, c.is_async, c.made_blocking, c.overlapped) == (
       "all-gather", False, True, [])
@@ -87,7 +89,8 @@ def test_every_future_kind(name):
     y = w @ w
     return fut.done() + y[0, 0]
 
-  report = jo.inspect(f, jnp.ones((16, 4)), jnp.ones((4, 4)))
+  report = jo.inspect(f, jnp.ones((16, 4)), jnp.ones((4, 4)),
+                      schedule="compiled")
   (c,) = [c for c in report.collectives if c.kind == kind]
   assert c.made_blocking and not c.is_async
   (w,) = report.written
@@ -121,7 +124,8 @@ def test_a_future_in_a_scan_body():
       return carry + fut.done()[0, 0], None
     return jax.lax.scan(body, w, xs)[0]
 
-  report = jo.inspect(f, jnp.ones((8, 4, 4)), jnp.ones((4, 4)))
+  report = jo.inspect(f, jnp.ones((8, 4, 4)), jnp.ones((4, 4)),
+                      schedule="compiled")
   (c,) = report.collectives
   assert c.kind == "all-reduce" and c.made_blocking
   assert (c.trip_count, c.runs) == (4, 4)
@@ -172,7 +176,7 @@ def test_xla_cost_analysis_of_one_instruction():
                   for s in module.computations[c].instructions)]
   flops = sorted(costs(i, entry)[0] for i in dots)
   assert flops == [2 * 8 * 32 * 32, 2 * 8 * 32 * 64]
-  report = jo.inspect(_prefetch_layer(mesh), *ARGS)
+  report = jo.inspect(_prefetch_layer(mesh), *ARGS, schedule="compiled")
   assert report.cost_source == xla_cost.LABEL
 
 

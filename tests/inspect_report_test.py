@@ -28,7 +28,8 @@ def test_plain_text_without_rich(monkeypatch, pipelined):
   monkeypatch.setitem(sys.modules, "rich", None)  # `import rich` fails
   text = str(pipelined)
   assert "┃" not in text
-  assert "Collectives (times modelled on a100, not measured)" in text
+  assert ("Collectives in the compiled schedule (times modelled on a100, "
+          "not measured)") in text
   header = next(line for line in text.splitlines() if line.startswith("#"))
   assert header.split() == ["#", "kind", "start", "->", "done", "computation",
                             "bytes", "overlapped", "comm", "exposed", "runs",

@@ -276,6 +276,16 @@ def axis_size(axis_name) -> int | None:
   return size
 
 
+def scan_counts(params) -> tuple[int, int]:
+  """(consts, carry): how many of a `scan` equation's inputs are each.
+  0.10.2 gives `num_consts`/`num_carry`; later versions a flat tree `ft_in`
+  of (consts, carry, xs)."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
 # --- transformation rules -----------------------------------------------------
 
 from jax._src.interpreters import remat as _remat  # noqa: E402

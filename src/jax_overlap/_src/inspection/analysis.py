@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from jax_overlap._src.inspection import attributes as attrs
 from jax_overlap._src.inspection.cost_model import (
     UNKNOWN_GROUP_SIZE, CostModel, CostSource)
@@ -21,19 +23,23 @@ SHAPES_LABEL = "shapes in the HLO text"
 def build_report(module: HloModule, hardware: HardwareProfile, *,
                  source: str, cost_source: CostSource | None = None,
                  cost_label: str = SHAPES_LABEL,
-                 written: list[WrittenWindow] | None = None) -> OverlapReport:
-  """The report of `module` with times modelled on `hardware`."""
-  schedule = read_schedule(module)
+                 written: list[WrittenWindow] | None = None,
+                 schedule: str = "compiled",
+                 notes: Sequence[str] = ()) -> OverlapReport:
+  """The report of `module` with times modelled on `hardware`; `schedule`
+  says which schedule `module` is ('compiled', or 'written' when it was
+  built from the traced program), `notes` what its maker wants said."""
+  scheduled = read_schedule(module)
   model = CostModel(hardware, module, cost_source)
-  timeline = simulate(schedule, model)
-  collectives = schedule.collectives()
-  threads = sorted(set(schedule.schedules.values())
+  timeline = simulate(scheduled, model)
+  collectives = scheduled.collectives()
+  threads = sorted(set(scheduled.schedules.values())
                    | {p.thread for p in collectives})
   several_threads = len(threads) > 1
-  records = [_collective(p, schedule, timeline, several_threads)
+  records = [_collective(p, scheduled, timeline, several_threads)
              for p in collectives]
-  copies = [_copy(p, schedule, timeline, several_threads)
-            for p in schedule.copies()]
+  copies = [_copy(p, scheduled, timeline, several_threads)
+            for p in scheduled.copies()]
   written_records = [_written(w, model) for w in written or []]
   totals = {
       "comm_s": sum(r.comm_s for r in records),
@@ -45,8 +51,9 @@ def build_report(module: HloModule, hardware: HardwareProfile, *,
       cost_source=cost_label if cost_source is not None else SHAPES_LABEL,
       collectives=records, copies=copies, written=written_records,
       totals=totals, compute_s=timeline.compute_s, step_s=timeline.step_s,
-      threads=threads, notes=[], timeline=timeline)
-  report.notes = _notes(report, timeline)
+      threads=threads, notes=[], schedule=schedule, timeline=timeline)
+  own = _notes(report, timeline)
+  report.notes = own[:1] + list(notes) + own[1:]
   return report
 
 
@@ -90,7 +97,8 @@ def _collective(pair, schedule, timeline, several_threads) -> CollectiveRecord:
   return CollectiveRecord(
       kind=pair.kind, start=pair.start.name,
       done=pair.done.name if pair.done else None,
-      computation=pair.computation, thread=pair.thread,
+      computation=pair.computation,
+      where=attrs.source_location(pair.start), thread=pair.thread,
       is_async=pair.is_async, made_blocking=pair.made_blocking,
       bytes=pair.bytes, group_size=pair.group_size,
       overlapped=list(pair.overlapped),

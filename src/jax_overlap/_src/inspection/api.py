@@ -1,4 +1,5 @@
-"""`inspect(fn, *args)`: the overlap report of a function, compiled here."""
+"""`inspect(fn, *args)`: the overlap report of a function, compiled here or
+as written."""
 
 from __future__ import annotations
 
@@ -9,29 +10,48 @@ from jax_overlap._src.inspection import analysis, live, xla_cost
 from jax_overlap._src.inspection.hardware import resolve_hardware
 from jax_overlap._src.inspection.report import OverlapReport
 from jax_overlap._src.inspection.written import written_windows
+from jax_overlap._src.inspection.written_schedule import (
+    COST_LABEL, written_schedule)
 
 traceback_util.register_exclusion(__file__)
 
+SCHEDULES = ("compiled", "written")
+WRITTEN_NOTE = (
+    "This is the schedule as written: the traced program's order, as if the "
+    "compiler kept it (program_order(enforce=True) asks it to; "
+    "docs/compiled-order.md says where it does), with one compute stream and "
+    "every operation costed from its shapes, unfused.")
 
-def inspect(fn, *args, hardware=None, **kwargs) -> OverlapReport:
-  """Compiles `fn` on `args` and reports what each collective overlapped.
+
+def inspect(fn, *args, hardware=None, schedule=None, **kwargs) -> OverlapReport:
+  """Reports what each collective of `fn` overlapped, in the compiled
+  schedule or in the schedule as written.
 
   The compiled schedule is read from XLA's own module, each compute
-  instruction is costed by XLA's cost analysis, and times are modelled on
-  `hardware`. Where the backend made collectives blocking (CPU does), the
-  report says so and gives the windows as written between each future's
-  start and `done()` in the traced program (`report.written`).
+  instruction costed by XLA's cost analysis. The written schedule is the
+  traced program's order, as if the compiler kept it (what
+  `program_order(enforce=True)` asks for), each operation costed from its
+  shapes. Either way times are modelled on `hardware`, and
+  `report.written` gives each future's window as written between its start
+  and `done()`.
 
   Args:
     fn: a function whose collectives to inspect; a `jax.jit` function is
-      compiled with its own options (static arguments, shardings).
+      traced and compiled with its own options (static arguments, shardings).
     *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
     hardware: a built-in profile ('h100', 'a100', 'tpu-v5e', 'tpu-v5p'), a
       `HardwareProfile`, or a .toml/.json profile path; None for h100.
+    schedule: 'compiled', 'written', or None: 'compiled' unless the backend
+      made every collective blocking (CPU does) and `fn` has futures, then
+      'written' (a note says so). 'written' does not compile `fn`.
     **kwargs: keyword arguments of `fn`.
 
   Returns:
-    An `OverlapReport`; all times in it are modelled, not measured.
+    An `OverlapReport` (`report.schedule` says which schedule); all times in
+    it are modelled, not measured.
+
+  Raises:
+    ValueError: `schedule` is not 'compiled', 'written' or None.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -45,19 +65,45 @@ def inspect(fn, *args, hardware=None, **kwargs) -> OverlapReport:
     ...   fut = jax_overlap.all_gather_start(w_shard, 'i', tiled=True)
     ...   y = x @ x                       # written while the gather runs
     ...   return (y @ fut.done())[:1]
-    >>> report = jax_overlap.inspect(step, jnp.ones((8, 8)), jnp.ones((8, 8)))
-    >>> report.collectives[0].made_blocking    # CPU compiles it blocking
+    >>> args = jnp.ones((8, 8)), jnp.ones((8, 8))
+    >>> compiled = jax_overlap.inspect(step, *args, schedule="compiled")
+    >>> compiled.collectives[0].made_blocking     # CPU compiles it blocking
     True
-    >>> report.written[0].overlapped           # ...but this was written
+    >>> report = jax_overlap.inspect(step, *args)  # so: the written schedule
+    >>> report.schedule, report.collectives[0].kind
+    ('written', 'all-gather')
+    >>> report.collectives[0].overlapped          # the matmul written inside
+    ['dot_general.1']
+    >>> report.written[0].overlapped
     ['dot_general f32[8,8]']
   """
+  if schedule not in (None, *SCHEDULES):
+    raise ValueError(
+        f"inspect(schedule=...) must be 'compiled', 'written' or None (the "
+        f"compiled one unless the backend made it blocking); got {schedule!r}.")
   profile = resolve_hardware(hardware)
   # A jitted function keeps its own options (static arguments, shardings).
   jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
   traced = jitted.trace(*args, **kwargs)
-  compiled = traced.lower().compile()
-  platform = jax.default_backend()
+  windows = written_windows(traced.jaxpr)
   name = getattr(fn, "__name__", type(fn).__name__)
+  if schedule == "written":
+    return _written_report(traced, name, profile, windows, [])
+  platform = jax.default_backend()
+  report = _compiled_report(traced, name, platform, profile, windows)
+  blocking = [c for c in report.collectives if c.made_blocking]
+  keeps_pairs = any(c.is_async for c in report.collectives)
+  if schedule == "compiled" or keeps_pairs or not blocking or not windows:
+    return report
+  return _written_report(traced, name, profile, windows, [
+      f"The {platform} backend made {len(blocking)} collective(s) blocking, "
+      "so the compiled program overlaps nothing; this report models the "
+      "schedule as written instead. inspect(..., schedule='compiled') gives "
+      "the compiled one."])
+
+
+def _compiled_report(traced, name, platform, profile, windows):
+  compiled = traced.lower().compile()
   source = f"{live.SOURCE} of {name} on {platform}"
   module, obj = live.compiled_module(compiled, source=source)
   costs = None
@@ -67,7 +113,15 @@ def inspect(fn, *args, hardware=None, **kwargs) -> OverlapReport:
     costs = candidate if candidate.available else None
   return analysis.build_report(
       module, profile, source=source, cost_source=costs,
-      cost_label=xla_cost.LABEL, written=written_windows(traced.jaxpr))
+      cost_label=xla_cost.LABEL, written=windows)
+
+
+def _written_report(traced, name, profile, windows, notes):
+  written = written_schedule(traced.jaxpr, profile, name=name)
+  return analysis.build_report(
+      written.module, profile, source=f"traced program of {name}",
+      cost_source=written.cost, cost_label=COST_LABEL, written=windows,
+      schedule="written", notes=notes + [WRITTEN_NOTE] + written.notes)
 
 
 def _client():

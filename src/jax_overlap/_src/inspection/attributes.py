@@ -83,6 +83,20 @@ def op_name(instr: HloInstruction) -> str:
   return m.group(1) if m else ""
 
 
+def source_location(instr: HloInstruction) -> str | None:
+  """`file:line` from `metadata={... source_file="..." source_line=N}`, None
+  when the metadata does not say."""
+  value = instr.attributes.get("metadata", "")
+  file = re.search(r'source_file=("(?:[^"\\]|\\.)*")', value)
+  line = re.search(r"source_line=(\d+)", value)
+  if not file or not line:
+    return None
+  try:
+    return f"{lexing.unquote(file.group(1))}:{line.group(1)}"
+  except ValueError:
+    return None
+
+
 def integer_list(value: str | None) -> list[int]:
   """`{1,0}` or `1` as a list of ints ([] when absent or unreadable)."""
   if not value:

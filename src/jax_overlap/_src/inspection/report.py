@@ -30,6 +30,7 @@ class CollectiveRecord(_Record):
   start: str
   done: str | None
   computation: str
+  where: str | None
   thread: str
   is_async: bool
   made_blocking: bool
@@ -89,23 +90,26 @@ class WrittenRecord(_Record):
 
 
 _COLLECTIVE_FIELDS = (
-    "kind", "start", "done", "computation", "thread", "async",
+    "kind", "start", "done", "computation", "where", "thread", "async",
     "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags")
 
 
 @dataclasses.dataclass
 class OverlapReport:
-  """What each collective of a compiled program overlapped, with modelled
-  times: its exposed communication and what a perfect schedule would save.
+  """What each collective of a program overlapped, with modelled times: its
+  exposed communication and what a perfect schedule would save.
 
-  Made by `jax_overlap.inspect(fn, *args)` (a live compile) or
-  `OverlapReport.from_hlo(text_or_path)` (a dump). `print(report)` shows a
+  Made by `jax_overlap.inspect(fn, *args)` (a live compile, or the schedule
+  as written in the traced program) or `OverlapReport.from_hlo(text_or_path)`
+  (a dump). `print(report)` shows a
   table; `to_dict`/`to_json` give the fields; `save_timeline` draws a PNG and
   `save_trace` writes a trace for ui.perfetto.dev.
 
   Attributes:
     source: what was read.
+    schedule: which schedule is modelled: 'compiled' (the one the compiler
+      chose) or 'written' (the traced program's order, as if kept).
     hardware: the profile the times are modelled on.
     cost_source: where flops and bytes came from.
     collectives, copies: a record per start/done pair.
@@ -140,6 +144,7 @@ class OverlapReport:
   step_s: float
   threads: list[str]
   notes: list[str]
+  schedule: str = "compiled"
   timeline: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @classmethod
@@ -170,6 +175,7 @@ class OverlapReport:
     """Plain data: every field under its documented name."""
     return {
         "source": self.source,
+        "schedule": self.schedule,
         "modelled": ("all times are modelled from flops and bytes on "
                      f"{self.hardware.name}, not measured"),
         "hardware": _plain(dataclasses.asdict(self.hardware)),
@@ -194,7 +200,8 @@ class OverlapReport:
 
   def __repr__(self) -> str:
     t = self.totals
-    return (f"OverlapReport({self.source!r}, {len(self.collectives)} "
+    return (f"OverlapReport({self.source!r}, {self.schedule} schedule, "
+            f"{len(self.collectives)} "
             f"collectives, exposed_s={t['exposed_s']:.3g}, bound_exposed_s="
             f"{t['bound_exposed_s']:.3g}, modelled on {self.hardware.name})")
 

@@ -54,8 +54,8 @@ def sections(report) -> list[tuple[str, list[str], list[list[str]]]]:
                                                                rows}) <= 1:
     header.pop(3)
     rows = [r[:3] + r[4:] for r in rows]
-  out.append((f"Collectives (times modelled on {hw}, not measured)", header,
-              rows))
+  out.append((f"Collectives in the {report.schedule} schedule (times "
+              f"modelled on {hw}, not measured)", header, rows))
   if report.copies:
     rows = [[str(i), f"{c.start}\n-> {c.done or '?'}", c.computation,
              format_bytes(c.bytes), _names(c.overlapped),
@@ -83,7 +83,8 @@ def summary(report) -> list[str]:
   t = report.totals
   saved = t["exposed_s"] - t["bound_exposed_s"]
   lines = [
-      f"Totals, modelled on {report.hardware.name} (not measured):",
+      f"Totals of the {report.schedule} schedule, modelled on "
+      f"{report.hardware.name} (not measured):",
       f"  communication      {format_seconds(t['comm_s'])}",
       f"  exposed            {format_seconds(t['exposed_s'])}",
       f"  perfect schedule   {format_seconds(t['bound_exposed_s'])} exposed"

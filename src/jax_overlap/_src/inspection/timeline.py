@@ -39,8 +39,8 @@ def trace_events(report) -> dict:
   rows, events = _rows_and_events(report)
   tid = {row: k + 1 for k, row in enumerate(rows)}
   out = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0,
-          "args": {"name": f"modelled on {report.hardware.name} "
-                           "(not measured)"}}]
+          "args": {"name": f"{report.schedule} schedule, modelled on "
+                           f"{report.hardware.name} (not measured)"}}]
   for row, k in tid.items():
     out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": k,
                 "args": {"name": row}})
@@ -53,6 +53,7 @@ def trace_events(report) -> dict:
                 "args": {"modelled": True}})
   return {"traceEvents": out, "displayTimeUnit": "ns",
           "otherData": {"source": report.source,
+                        "schedule": report.schedule,
                         "hardware": report.hardware.name,
                         "note": "all times are modelled, not measured"}}
 
@@ -113,7 +114,8 @@ def write_png(report, path: str | os.PathLike) -> None:
 def _title(report) -> str:
   from jax_overlap._src.inspection.table import format_seconds  # noqa: PLC0415
   t = report.totals
-  return (f"{os.path.basename(report.source)}: exposed "
+  return (f"{os.path.basename(report.source)}, {report.schedule} schedule: "
+          "exposed "
           f"{format_seconds(t['exposed_s'])} of "
           f"{format_seconds(t['comm_s'])} communication; a perfect schedule "
           f"exposes {format_seconds(t['bound_exposed_s'])}")

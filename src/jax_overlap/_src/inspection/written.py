@@ -13,21 +13,15 @@ can hide a collective. Elementwise work is not counted.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
 
 from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p)
+from jax_overlap._src.inspection import traced
+from jax_overlap._src.inspection.traced import HLO_KIND
 
 #: Primitives counted as compute in a written window.
-COMPUTE_PRIMITIVES = frozenset({
-    "dot_general", "conv_general_dilated", "ffi_call", "pallas_call",
-    "custom_call", "tpu_custom_call", "mosaic_gpu_call", "triton_kernel_call"})
-
-#: Our collectives by the name of the HLO collective they lower to.
-HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
-            "psum_scatter": "reduce-scatter", "all_to_all": "all-to-all",
-            "ppermute": "collective-permute"}
+COMPUTE_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"}
+                               | traced.KERNEL_PRIMITIVES)
 _LOOPS = {"scan": "length", "while": None}
 
 
@@ -63,7 +57,7 @@ class _Walker:
     self.open: dict[int, list[WrittenWindow]] = {}
 
   def walk(self, jaxpr, axis_sizes: dict[str, int], loop: str | None) -> None:
-    for eqn in _eqns(jaxpr):
+    for eqn in traced.eqns(jaxpr):
       prim = eqn.primitive
       if prim is collective_start_p:
         self._start(eqn, axis_sizes, loop)
@@ -75,10 +69,7 @@ class _Walker:
         continue
       if prim.name in COMPUTE_PRIMITIVES:
         self._compute(eqn)
-      inner_sizes = axis_sizes
-      mesh = eqn.params.get("mesh")
-      if mesh is not None and hasattr(mesh, "shape"):
-        inner_sizes = {**axis_sizes, **dict(mesh.shape)}
+      inner_sizes = traced.inner_axis_sizes(eqn, axis_sizes)
       inner_loop = loop
       if prim.name in _LOOPS:
         length = eqn.params.get(_LOOPS[prim.name]) if _LOOPS[prim.name] else None
@@ -86,7 +77,7 @@ class _Walker:
       for key, value in eqn.params.items():
         if key == "comm":
           continue
-        for sub in _sub_jaxprs(value):
+        for sub in traced.sub_jaxprs(value):
           self.walk(sub, inner_sizes, inner_loop)
 
   def _start(self, eqn, axis_sizes, loop) -> None:
@@ -94,8 +85,8 @@ class _Walker:
     out = comm.out_aval
     window = WrittenWindow(
         collective=comm.name, kind=HLO_KIND.get(comm.name, comm.name),
-        where=comm.state.where, bytes=_aval_bytes(out),
-        group_size=_group_size(comm, axis_sizes), loop=loop)
+        where=comm.state.where, bytes=traced.aval_bytes(out),
+        group_size=traced.comm_group_size(comm, axis_sizes), loop=loop)
     self.windows.append(window)
     self.open.setdefault(id(comm.state), []).append(window)
 
@@ -104,71 +95,11 @@ class _Walker:
     if not windows:
       return
     out = eqn.outvars[0].aval if eqn.outvars else None
-    label = eqn.primitive.name + (f" {_aval_text(out)}" if out is not None
-                                  else "")
-    flops = _flops(eqn)
-    nbytes = sum(_aval_bytes(v.aval) for v in list(eqn.invars) + eqn.outvars
+    label = eqn.primitive.name + (f" {traced.aval_text(out)}"
+                                  if out is not None else "")
+    flops = traced.flops(eqn)
+    nbytes = sum(traced.aval_bytes(v.aval) for v in list(eqn.invars) + eqn.outvars
                  if hasattr(v, "aval"))
     for window in windows:
       window.overlapped.append(label)
       window.costs.append((flops, nbytes))
-
-
-def _eqns(jaxpr):
-  inner = getattr(jaxpr, "jaxpr", jaxpr)
-  return getattr(inner, "eqns", getattr(jaxpr, "eqns", []))
-
-
-def _sub_jaxprs(value) -> list[Any]:
-  if isinstance(value, (tuple, list)):
-    return [j for v in value for j in _sub_jaxprs(v)]
-  if hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
-    return [value]
-  return []
-
-
-def _group_size(comm, axis_sizes: dict[str, int]) -> int | None:
-  for eqn in _eqns(comm.jaxpr):
-    if "axis_size" in eqn.params and isinstance(eqn.params["axis_size"], int):
-      return eqn.params["axis_size"]
-    names = eqn.params.get("axis_name", eqn.params.get("axes"))
-    if names is None:
-      continue
-    names = names if isinstance(names, (tuple, list)) else (names,)
-    sizes = [axis_sizes.get(n) for n in names if not isinstance(n, int)]
-    if sizes and all(s is not None for s in sizes):
-      return math.prod(sizes)
-  return None
-
-
-def _aval_bytes(aval) -> float:
-  shape = getattr(aval, "shape", None)
-  dtype = getattr(aval, "dtype", None)
-  if shape is None or dtype is None:
-    return 0.0
-  return float(math.prod(shape) * dtype.itemsize)
-
-
-def _aval_text(aval) -> str:
-  dtype = getattr(aval, "dtype", None)
-  short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
-           "float64": "f64", "int32": "s32", "int8": "s8"}.get(
-               str(dtype), str(dtype))
-  return f"{short}[{','.join(str(d) for d in getattr(aval, 'shape', ()))}]"
-
-
-def _flops(eqn) -> float:
-  name = eqn.primitive.name
-  out = eqn.outvars[0].aval
-  if name == "dot_general":
-    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval
-    return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d]
-                                                  for d in lhs_contract)
-  if name == "conv_general_dilated":
-    rhs = eqn.invars[1].aval
-    numbers = eqn.params.get("dimension_numbers")
-    out_feature = numbers.rhs_spec[0] if numbers is not None else 0
-    per_output = math.prod(rhs.shape) / max(rhs.shape[out_feature], 1)
-    return 2.0 * math.prod(out.shape) * per_output
-  return 0.0
