@@ -3,13 +3,14 @@
 #   make test          the test suite on the newest supported jax this machine can run
 #   make test-all      the test suite on every supported jax (0.10.2, 0.11.0, 0.12.0.1)
 #   make test-jaxX     the test suite on jax X alone
-#   make demo          examples/demo.py on the newest jax
-#   make bench         benchmarks/bench_program_order.py on every supported jax
+#   make demo          `jax-overlap demo` on the newest jax (DEMO_ARGS: e.g. --steps 50)
+#   make bench         benchmarks/bench.py on every supported jax
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
 #   make venvs         create/refresh every venv without testing
 #   make clean         remove the venvs and build leftovers
 #
 # Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
+# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick),
 # PY311 / PY312 (override the interpreters found below).
 #
 # Each jax version gets its own venv, .venv-jaxX, built from nothing by its stamp
@@ -61,7 +62,7 @@ STAMPS := $(foreach v,$(JAX_VERSIONS),$(call stamp,$(v)))
 	@echo "--- $(@D): jax $* on $(PY_FOR_$*)"
 	@test -x $(@D)/bin/python || $(PY_FOR_$*) -m venv $(@D)
 	$(@D)/bin/python -m pip install -q --upgrade pip
-	$(@D)/bin/python -m pip install -q -c constraints/jax-$*.txt -e '.[test,report]'
+	$(@D)/bin/python -m pip install -q -c constraints/jax-$*.txt -e '.[test,report,demo]'
 	@touch $@
 
 .PHONY: venvs
@@ -80,14 +81,14 @@ define per_version
 test-jax$(1): $(call stamp,$(1))
 	$(call venv,$(1))/bin/python -m pytest -q tests $$(PYTEST_ARGS)
 bench-jax$(1): $(call stamp,$(1))
-	$(call venv,$(1))/bin/python benchmarks/bench_program_order.py
+	$(call venv,$(1))/bin/python benchmarks/bench.py $$(BENCH_ARGS)
 endef
 $(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
 
 # --- demo, benchmarks ---------------------------------------------------------
 .PHONY: demo bench
 demo: $(call stamp,$(NEWEST))
-	$(call venv,$(NEWEST))/bin/python examples/demo.py
+	$(call venv,$(NEWEST))/bin/jax-overlap demo $(DEMO_ARGS)
 
 bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v))
 

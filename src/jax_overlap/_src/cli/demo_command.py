@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "(default overlap-demo)")
   parser.add_argument("--hardware", metavar="NAME|FILE", default=None,
                       help="hardware profile the report models (default h100)")
+  parser.add_argument("--report-width", type=int, default=1024,
+                      help="model width of the step the report models "
+                      "(default 1024; 0: the small step trained here, whose "
+                      "transfers are too small to hide anything)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
   except ImportError:
     return _fail("the demo needs optax: pip install 'jax-overlap[demo]'")
   from jax_overlap._src.demo.training import Options  # noqa: PLC0415
+  if args.report_width < 0 or args.report_width % 64:
+    return _fail(f"--report-width must be 0 or a multiple of 64, got "
+                 f"{args.report_width}")
   opts = Options(steps=args.steps, devices=args.devices, out=args.out,
-                 hardware=args.hardware)
+                 hardware=args.hardware, report_width=args.report_width)
   return demo(opts)
 
 
@@ -117,16 +124,25 @@ def demo(opts) -> int:
   if losses:
     say(f"   loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
         + (" (stopped by Ctrl-C)" if interrupted else ""))
-    say("   sample: " + repr(training.sample(cfg, params, corpus,
-                                              "The gather ", 60)))
+    prompt = corpus_lib.generate(200, seed=7)[:cfg.seq]
+    say(f"   greedy sample after {prompt[-24:]!r}: "
+        f"{training.sample(cfg, params, corpus, prompt, 60)!r}")
 
-  say("\n3. Overlap report of the training step (modelled, not measured)")
+  width = opts.report_width or cfg.d
+  say(f"\n3. Overlap report of the training step at width {width} "
+      "(modelled, not measured)")
+  if opts.report_width:
+    say(f"   The step trained above moves kilobytes: on any accelerator its "
+        "transfers would be all latency. The report models the same program "
+        f"at width {width} ({opts.layers} blocks, sequence 512, 4 sequences a "
+        "device), traced here, never run.")
   try:
-    report = jax_overlap.inspect(train_step, params, opt_state, *probe,
-                                 hardware=opts.hardware)
+    reports = training.overlap_reports(cfg, opts, optimizer)
   except HardwareProfileError as e:
     return _fail(str(e))
+  report = reports["fsdp_scan"]
   say(str(report))
+  say(training.compare_line(reports))
 
   written = []
   report.save_timeline(out / "timeline.png")
@@ -134,9 +150,11 @@ def demo(opts) -> int:
   report.save_trace(out / "trace.json")
   written.append(out / "trace.json")
   training.write_json(out / "report.json", dict(
-      report.to_dict(), demo={"steps_run": len(losses), "losses": losses,
-                              "interrupted": interrupted, "check": check,
-                              "devices": opts.devices}))
+      report.to_dict(), demo={
+          "steps_run": len(losses), "losses": losses,
+          "interrupted": interrupted, "check": check, "devices": opts.devices,
+          "report_width": width,
+          "plain_scan_totals": reports["plain scan"].to_dict()["totals"]}))
   written.append(out / "report.json")
   if training.plot_losses(losses, out / "loss.png"):
     written.append(out / "loss.png")

@@ -38,6 +38,7 @@ class Options:
   learning_rate: float = 3e-3
   layers: int = 4
   seed: int = 0
+  report_width: int = 1024
   say: Callable[[str], None] = print
 
 
@@ -158,19 +159,66 @@ def train(opts: Options, train_step, params, opt_state, corpus, cfg,
 
 
 def sample(cfg, params, corpus, prompt: str, n: int) -> str:
-  """Greedy continuation of `prompt`, run on one device with plain scans."""
+  """Greedy continuation of `prompt` (at least `cfg.seq` characters), on one
+  device with a plain scan over the blocks, in one compiled loop."""
   run_blocks = lambda block, x, blocks: lax.scan(
       lambda x, w: (block(x, w), None), x, blocks)[0]
   host = jax.tree.map(lambda p: jnp.asarray(np.asarray(p)), params)
-  ids = [corpus.chars.index(c) for c in prompt if c in corpus.chars]
+  ids = np.array([corpus.chars.index(c) for c in prompt[-cfg.seq:]], np.int32)
 
   @jax.jit
-  def next_id(window):
-    return jnp.argmax(model.logits(cfg, host, window[None], run_blocks)[0, -1])
-  for _ in range(n):
-    window = np.array(ids[-cfg.seq:], np.int32)
-    ids.append(int(next_id(window)))
-  return corpus.decode(ids)
+  def generate(ids):
+    buffer = jnp.concatenate([ids, jnp.zeros((n,), jnp.int32)])
+
+    def one(i, buffer):
+      window = lax.dynamic_slice_in_dim(buffer, i, cfg.seq)
+      nxt = jnp.argmax(model.logits(cfg, host, window[None], run_blocks)[0, -1])
+      return buffer.at[i + cfg.seq].set(nxt.astype(jnp.int32))
+    return lax.fori_loop(0, n, one, buffer)[cfg.seq:]
+  return corpus.decode(generate(ids))
+
+
+def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
+  """The overlap report of the training step, ours and the plain scan's, at
+  `opts.report_width` (traced from shapes alone: nothing is allocated)."""
+  import jax_overlap  # noqa: PLC0415
+  if opts.report_width:
+    cfg = dataclasses.replace(cfg, d=opts.report_width,
+                              hidden=4 * opts.report_width,
+                              heads=max(1, opts.report_width // 128), seq=512)
+    batch = 4 * opts.devices
+  else:
+    batch = opts.batch_per_device * opts.devices
+  mesh = mesh_of(opts.devices)
+  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
+  param_specs = model.specs(shapes, AXIS)
+  params = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=NamedSharding(mesh, s)),
+      shapes, param_specs)
+  opt_state = jax.eval_shape(optimizer.init, params)
+  tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32,
+                                sharding=NamedSharding(mesh, P(AXIS)))
+  ours, plain = losses_for(cfg, mesh, param_specs)
+  return {name: jax_overlap.inspect(train_step_for(loss, optimizer), params,
+                                    opt_state, tokens, tokens,
+                                    hardware=opts.hardware)
+          for name, loss in (("fsdp_scan", ours), ("plain scan", plain))}
+
+
+def compare_line(reports: dict) -> str:
+  """One line: how much communication each version leaves exposed."""
+  parts = []
+  for name, report in reports.items():
+    t = report.totals
+    hidden = max(0.0, 1 - t["exposed_s"] / t["comm_s"]) if t["comm_s"] else 0.0
+    parts.append(f"{name}: {t['exposed_s'] * 1e6:.0f} us of "
+                 f"{t['comm_s'] * 1e6:.0f} us exposed ({hidden:.0%} hidden)")
+  bound = reports["fsdp_scan"].totals["bound_exposed_s"]
+  return ("   In short, modelled on " + reports["fsdp_scan"].hardware.name
+          + ": " + "; ".join(parts) + f"; a perfect schedule exposes "
+          f"{bound * 1e6:.0f} us. The first gather of each pass and the last "
+          "reduce-scatter have no compute to hide behind.")
 
 
 def plot_losses(losses: list[float], path: pathlib.Path) -> bool:
