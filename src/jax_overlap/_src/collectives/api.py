@@ -22,13 +22,16 @@ traceback_util.register_exclusion(__file__)
 
 
 def _start_future(name: str, fn, x) -> Future:
-  x = jax.numpy.asarray(x) if not isinstance(x, (jax.Array, core.Tracer)) \
-      else x
   where = user_frame()
   try:
+    if not isinstance(x, (jax.Array, core.Tracer)):
+      x = jax.numpy.asarray(x)
     jaxpr = trace_sync(fn, x)
-  except NameError as e:
-    raise NameError(f"{name}_start: {e}") from None
+  except (NameError, TypeError, ValueError) as e:
+    # jax's own message, said of the call the user wrote (as the builtin
+    # class: jax's subclasses take other constructor arguments).
+    kind = next(k for k in (NameError, TypeError, ValueError) if isinstance(e, k))
+    raise kind(f"{name}_start: {e}") from None
   state = FutureState(name, where)
   comm = Comm(name, jaxpr, state)
   in_flight, operand = start(comm, x)

@@ -95,7 +95,12 @@ class FutureState:
     finalizer.atexit = False  # a jax cache may hold it until exit: no use then
 
   def __repr__(self):
-    return f"FutureState({self.collective!r}, {self.where!r})"
+    # jax prints this when a future is where only arrays may be (a loop
+    # carry, a cond branch's output): say what to do there.
+    return (f"<{self.describe()}: a future cannot be a lax.scan/fori_loop/"
+            "while_loop carry or a lax.cond/switch output; call .done() "
+            "inside the iteration or branch that started it and pass the "
+            "array>")
 
 
 class FutureNotFinishedWarning(RuntimeWarning):

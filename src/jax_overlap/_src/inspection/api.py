@@ -81,6 +81,8 @@ def inspect(fn, *args, hardware=None, schedule=None, **kwargs) -> OverlapReport:
     raise ValueError(
         f"inspect(schedule=...) must be 'compiled', 'written' or None (the "
         f"compiled one unless the backend made it blocking); got {schedule!r}.")
+  if not callable(fn):
+    raise TypeError(f"inspect(fn=...) must be a function to compile, got {fn!r}.")
   profile = resolve_hardware(hardware)
   # A jitted function keeps its own options (static arguments, shardings).
   jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)

@@ -105,7 +105,10 @@ def _parse_names(exclude_argnames) -> tuple[str, ...]:
     return ()
   if isinstance(exclude_argnames, str):
     return (exclude_argnames,)
-  names = tuple(exclude_argnames)
+  try:
+    names = tuple(exclude_argnames)
+  except TypeError:
+    names = (exclude_argnames,)
   if not all(isinstance(n, str) for n in names):
     raise TypeError(
         "program_order(exclude_argnames=...) must be a parameter name or a "
@@ -131,7 +134,18 @@ def _wrap(fun, *, enforce, strict_in, strict_out, excluded_names):
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    traced = jitted.trace(*args, **kwargs)
+    try:
+      traced = jitted.trace(*args, **kwargs)
+    except TypeError as e:
+      if "static_argnums" in str(e) or isinstance(
+          e, jax.errors.ConcretizationTypeError):
+        e.add_note(
+            "program_order traces its function as jax.jit does: every argument "
+            "is an array. Bind a value the body needs at trace time (a shape, "
+            "a flag) before decorating, e.g. "
+            "program_order(functools.partial(f, n=3), enforce=True), instead "
+            "of passing it as an argument.")
+      raise
     args_flat = jax.tree_util.tree_leaves((args, kwargs))
     closed_over = list(getattr(traced, "_consts", ()))
     if excluded_names:
