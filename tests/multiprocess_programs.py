@@ -1,0 +1,109 @@
+"""Programs run both across two processes and in one (multiprocess_test.py).
+
+`run_all(mesh)` builds each program on `mesh` (8 devices, axis "i": one
+process's 8, or two processes' 4 each), runs it on inputs made the same way
+everywhere, and returns its results as full numpy arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_overlap as jo
+
+PERM = [(k, (k + 1) % 8) for k in range(8)]
+
+
+def _to_host(x):
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _put(mesh, array: np.ndarray, spec):
+  sharding = NamedSharding(mesh, spec)
+  return jax.make_array_from_callback(array.shape, sharding,
+                                      lambda index: array[index])
+
+
+def _futures(mesh):
+  """Each of the five futures in an ordered block, value and gradient."""
+  cases = {
+      "all_gather": (lambda v: jo.all_gather_start(v, "i", tiled=True), P("i")),
+      "psum": (lambda v: jo.psum_start(v, "i"), P()),
+      "psum_scatter": (lambda v: jo.psum_scatter_start(v, "i", tiled=True), P("i")),
+      "all_to_all": (lambda v: jo.all_to_all_start(v, "i", 0, 0, tiled=True), P("i")),
+      "ppermute": (lambda v: jo.ppermute_start(v, "i", PERM), P("i")),
+  }
+  x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) / 100.0
+  out = {}
+  for name, (start, out_spec) in cases.items():
+    @jax.shard_map(mesh=mesh, in_specs=P("i"), out_specs=(out_spec, P("i")))
+    def body(v, start=start):
+      @jo.program_order(enforce=True)
+      def ordered(v):
+        fut = start(v)
+        side = jnp.tanh(v @ v.T) @ v      # written while the collective runs
+        y = fut.done()
+        return y * jnp.cos(y), side
+      return ordered(v)
+    loss = lambda v, body=body: sum(jnp.sum(t ** 2) for t in body(v))
+    xs = _put(mesh, x, P("i"))
+    value = jax.jit(body)(xs)
+    grad = jax.jit(jax.grad(loss))(xs)
+    out[f"{name}/value"] = _to_host(value[0])
+    out[f"{name}/grad"] = _to_host(grad)
+  return out
+
+
+def _fsdp(mesh):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 16)).astype(np.float32)
+  w1 = (rng.normal(size=(3, 16, 24)) * 0.3).astype(np.float32)
+  w2 = (rng.normal(size=(3, 24, 16)) * 0.3).astype(np.float32)
+  layer = lambda h, w: h + jnp.tanh(h @ w["w1"]) @ w["w2"]
+  specs = {"w1": P(None, "i"), "w2": P(None, "i")}
+
+  @jax.shard_map(mesh=mesh, in_specs=(P("i"), specs), out_specs=P())
+  def loss(x, params):
+    return lax.psum(jnp.sum(jo.fsdp_scan(layer, x, params, axis="i") ** 2), "i")
+  params = {"w1": _put(mesh, w1, specs["w1"]), "w2": _put(mesh, w2, specs["w2"])}
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+      _put(mesh, x, P("i")), params)
+  return {"fsdp/loss": _to_host(value), "fsdp/grad_x": _to_host(grads[0]),
+          "fsdp/grad_w1": _to_host(grads[1]["w1"]),
+          "fsdp/grad_w2": _to_host(grads[1]["w2"])}
+
+
+def _collective_matmul(mesh):
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  w = rng.normal(size=(16, 32)).astype(np.float32)
+  out = {}
+  for name, fn, out_spec in (
+      ("all_gather_matmul", lambda x, w: jo.all_gather_matmul(x, w, "i"), P()),
+      ("matmul_reduce_scatter",
+       lambda x, w: jo.matmul_reduce_scatter(x, w, "i"), P("i")),
+  ):
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P()), out_specs=out_spec,
+                      check_vma=False)
+    loss = lambda x, w, f=f: jnp.sum(jnp.sin(f(x, w)))
+    args = (_put(mesh, x, P("i")), _put(mesh, w, P()))
+    value = jax.jit(f)(*args)
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+    out[f"{name}/value"] = _to_host(value)
+    out[f"{name}/grad_x"] = _to_host(gx)
+    out[f"{name}/grad_w"] = _to_host(gw)
+  return out
+
+
+def run_all(mesh) -> dict[str, np.ndarray]:
+  results = {}
+  for part in (_futures, _fsdp, _collective_matmul):
+    results.update(part(mesh))
+  return results

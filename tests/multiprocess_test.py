@@ -1,0 +1,83 @@
+"""Ordered programs, all five futures and the patterns across two processes.
+
+Two processes with 4 CPU devices each form one 8-device jax system
+(`jax.distributed` on 127.0.0.1, a free port); the results must equal the
+same programs run here in one process on 8 devices. Both processes are
+stopped on any failure or timeout; none is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import multiprocess_programs
+
+WORKER = pathlib.Path(__file__).resolve().parent / "multiprocess_worker.py"
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run_two_processes(out: pathlib.Path) -> None:
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port),
+                             str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+           for i in range(2)]
+  logs = ["", ""]
+  try:
+    for i, p in enumerate(procs):
+      logs[i], _ = p.communicate(timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the two processes did not finish in {TIMEOUT_S} s")
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("multiprocess") / "results.npz"
+  _run_two_processes(out)
+  with np.load(out) as data:
+    return dict(data)
+
+
+@pytest.fixture(scope="module")
+def one_process_results():
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  return multiprocess_programs.run_all(mesh)
+
+
+def test_same_programs(two_process_results, one_process_results):
+  assert sorted(two_process_results) == sorted(one_process_results)
+
+
+@pytest.mark.parametrize("name", [
+    f"{c}/{k}" for c in ("all_gather", "psum", "psum_scatter", "all_to_all",
+                         "ppermute") for k in ("value", "grad")] + [
+    "fsdp/loss", "fsdp/grad_x", "fsdp/grad_w1", "fsdp/grad_w2"] + [
+    f"{c}/{k}" for c in ("all_gather_matmul", "matmul_reduce_scatter")
+    for k in ("value", "grad_x", "grad_w")])
+def test_two_processes_equal_one(name, two_process_results, one_process_results):
+  got, want = two_process_results[name], one_process_results[name]
+  assert got.shape == want.shape, (got.shape, want.shape)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * (np.abs(want).max() or 1))

@@ -1,0 +1,38 @@
+"""One of two processes of multiprocess_test.py (not a test module itself).
+
+  python multiprocess_worker.py PROCESS_ID PORT OUT.npz
+
+Joins a 2-process jax system on 127.0.0.1:PORT with 4 CPU devices here, runs
+multiprocess_programs.run_all on the 8-device mesh, and (process 0) writes
+the results to OUT.npz.
+"""
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+
+def main():
+  process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+  jax.config.update("jax_num_cpu_devices", 4)
+  if hasattr(jax.config, "jax_cpu_collectives_implementation"):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
+                             process_id=process_id,
+                             initialization_timeout=120)
+  import numpy as np  # noqa: PLC0415
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import multiprocess_programs  # noqa: PLC0415
+  assert jax.device_count() == 8 and jax.local_device_count() == 4
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  results = multiprocess_programs.run_all(mesh)
+  if process_id == 0:
+    np.savez(out, **results)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()
