@@ -3,6 +3,7 @@
 #   make test          the test suite on the newest supported jax this machine can run
 #   make test-all      the test suite on every supported jax (0.10.2, 0.11.0, 0.12.0.1)
 #   make test-jaxX     the test suite on jax X alone
+#   make fuzz N=500    the differential fuzz tests on N random programs each, on the newest jax
 #   make demo          examples/demo.py on the newest jax
 #   make bench         benchmarks/bench_program_order.py on every supported jax
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
@@ -10,7 +11,7 @@
 #   make clean         remove the venvs and build leftovers
 #
 # Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
-# PY311 / PY312 (override the interpreters found below).
+# N (random programs per fuzz test), PY311 / PY312 (override the interpreters found below).
 #
 # Each jax version gets its own venv, .venv-jaxX, built from nothing by its stamp
 # .venv-jaxX/.installed (remade when pyproject.toml or constraints/jax-X.txt changes):
@@ -83,6 +84,16 @@ bench-jax$(1): $(call stamp,$(1))
 	$(call venv,$(1))/bin/python benchmarks/bench_program_order.py
 endef
 $(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
+
+# --- fuzzing --------------------------------------------------------------------
+# `make test` runs tests/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
+# new random programs per fuzz test (hypothesis prints how to reproduce a failure).
+N ?= 200
+
+.PHONY: fuzz
+fuzz: $(call stamp,$(NEWEST))
+	JAX_OVERLAP_FUZZ_EXAMPLES=$(N) $(call venv,$(NEWEST))/bin/python -m pytest -q \
+	  tests/fuzz_test.py --hypothesis-show-statistics $(PYTEST_ARGS)
 
 # --- demo, benchmarks ---------------------------------------------------------
 .PHONY: demo bench
