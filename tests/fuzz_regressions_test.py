@@ -9,12 +9,13 @@ checks as the fuzzer plus an assertion on the behaviour that failed. A failure t
 from __future__ import annotations
 
 import jax
+from jax._src import config as jax_config
 
 from jax_overlap import program_order
 
 import fuzz_programs as fp
 from fuzz_programs import Block, Op, Program
-from fuzz_test import check_against_unordered
+from fuzz_test import check_against_unordered, saved_residual_types
 
 
 def _counts(program, po=program_order):
@@ -59,3 +60,44 @@ def test_dead_block_in_jit_in_free_block_gets_no_barrier():
   assert want == fp.Counts(0, 0)
   assert got == want
   check_against_unordered(DEAD_BLOCK_IN_JIT_IN_FREE_BLOCK)
+
+
+# An ordered block inside jax.checkpoint, fed a value it never reads (m =
+# sin(x), closed over by the checkpointed function). The block's equation
+# took every argument as an input, so with jax_remat3 the checkpoint took m
+# as an input too and autodiff kept cos(x) for m's tangent: one residual
+# more than the undecorated function, on every jax. Unread arguments are
+# now left out of the equation.
+UNREAD_INPUT_UNDER_REMAT3 = Program(
+    inputs=((4,), (4,)), sharded=False, remat3=True,
+    top=Block('plain',
+        args=(0, 1),
+        body=(
+          Op('unary', (0,), 'sin'),
+          Block('checkpoint',
+              args=(1,),
+              body=(
+                Block('ordered',
+                    args=(1, 0),
+                    body=(
+                      Op('unary', (1,), 'sin'),
+                    ),
+                    outs=(2,),
+                    param=False),
+              ),
+              outs=(2,),
+              param='default',
+              closure=(2,)),
+        ),
+        outs=(3,)))
+
+
+def test_unread_block_input_is_not_saved_under_remat3():
+  program = UNREAD_INPUT_UNDER_REMAT3
+  xs = fp.inputs(program)
+  with jax_config.remat3(True):
+    got = saved_residual_types(fp.build(program), xs)
+    want = saved_residual_types(
+        fp.build(program, po=fp.identity_decorator, futures=False), xs)
+  assert got == want == ["float32[4]"]
+  check_against_unordered(program)
