@@ -542,33 +542,29 @@ def identity_decorator(f=None, **_):
   return (lambda g: g) if f is None else f
 
 
-class Ready:
-  """A finished value that looks like a future (the synchronous reference)."""
-
-  def __init__(self, value):
-    self.value = value
+class Ready(NamedTuple):
+  """A finished collective in a future's place (a pytree, as futures are)."""
+  value: Any
 
   def done(self):
     return self.value
 
 
-jax.tree_util.register_pytree_node(Ready, lambda r: ((r.value,), None),
-                                   lambda _, c: Ready(c[0]))
+# Each collective's arguments after (x, "i"), the same for jax.lax's and ours.
+_COLLECTIVE_ARGS = {
+    "psum": ((), {}),
+    "all_gather": ((), dict(tiled=True)),
+    "psum_scatter": ((), dict(tiled=True)),
+    "all_to_all": ((0, 0), dict(tiled=True)),
+    "ppermute": ((PERM,), {}),
+}
 
-_SYNC = {
-    "psum": lambda x: lax.psum(x, "i"),
-    "all_gather": lambda x: lax.all_gather(x, "i", tiled=True),
-    "psum_scatter": lambda x: lax.psum_scatter(x, "i", tiled=True),
-    "all_to_all": lambda x: lax.all_to_all(x, "i", 0, 0, tiled=True),
-    "ppermute": lambda x: lax.ppermute(x, "i", PERM),
-}
-_START = {
-    "psum": lambda x: jo.psum_start(x, "i"),
-    "all_gather": lambda x: jo.all_gather_start(x, "i", tiled=True),
-    "psum_scatter": lambda x: jo.psum_scatter_start(x, "i", tiled=True),
-    "all_to_all": lambda x: jo.all_to_all_start(x, "i", 0, 0, tiled=True),
-    "ppermute": lambda x: jo.ppermute_start(x, "i", PERM),
-}
+
+def _collective(name, x, *, future):
+  """`jax.lax.<name>` on axis "i", or our `<name>_start` (a future)."""
+  extra, kwargs = _COLLECTIVE_ARGS[name]
+  fn = getattr(jo, f"{name}_start") if future else getattr(lax, name)
+  return fn(x, "i", *extra, **kwargs)
 _UNARY_FN = {
     "sin": jnp.sin, "cos": jnp.cos, "tanh": jnp.tanh, "neg": jnp.negative,
     "abs": jnp.abs, "square": jnp.square, "half": lambda x: jnp.multiply(x, 0.5),
@@ -624,9 +620,11 @@ def _apply_op(op: Op, vals, futures: bool):
   if kind == "name":
     return checkpoint_name(x[0], p)
   if kind == "collective":
-    return _SYNC[p](x[0])
+    return _collective(p, x[0], future=False)
   if kind == "start":
-    return _START[p](x[0]) if futures else Ready(_SYNC[p](x[0]))
+    if futures:
+      return _collective(p, x[0], future=True)
+    return Ready(_collective(p, x[0], future=False))
   if kind == "done":
     return x[0].done()
   raise ValueError(f"unknown op kind {kind!r}")
