@@ -87,13 +87,17 @@ $(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
 
 # --- fuzzing --------------------------------------------------------------------
 # `make test` runs tests/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
-# new random programs per fuzz test (hypothesis prints how to reproduce a failure).
+# new random programs per fuzz test (hypothesis prints how to reproduce a failure). Each
+# program is written to out/fuzz-last-program.py before it is compiled: if XLA takes the
+# process down, that file holds the program that did it.
 N ?= 200
 
 .PHONY: fuzz
 fuzz: $(call stamp,$(NEWEST))
-	JAX_OVERLAP_FUZZ_EXAMPLES=$(N) $(call venv,$(NEWEST))/bin/python -m pytest -q \
-	  tests/fuzz_test.py --hypothesis-show-statistics $(PYTEST_ARGS)
+	@mkdir -p out
+	JAX_OVERLAP_FUZZ_EXAMPLES=$(N) JAX_OVERLAP_FUZZ_LOG=out/fuzz-last-program.py \
+	  $(call venv,$(NEWEST))/bin/python -m pytest -q tests/fuzz_test.py \
+	  --hypothesis-show-statistics $(PYTEST_ARGS)
 
 # --- demo, benchmarks ---------------------------------------------------------
 .PHONY: demo bench

@@ -40,6 +40,9 @@ except ImportError:
   jax_program_order = None
 
 _N = int(os.environ.get("JAX_OVERLAP_FUZZ_EXAMPLES", "0"))
+# A file each program is written to before it is compiled: if XLA takes the
+# process down, the last program in it is the one.
+_LOG = os.environ.get("JAX_OVERLAP_FUZZ_LOG")
 
 
 def fuzz_settings(ci_examples: int):
@@ -110,10 +113,12 @@ def traced_barriers(jaxpr) -> int:
 
 
 def saved_residual_types(fn, xs):
-  """Saved residuals' types. Scalars are left out: without program_order
-  jax also saves a scalar literal of the body's, which an ordered body keeps
-  inside its backward block (see transformations_test)."""
-  return sorted(str(aval) for aval, _ in saved_residuals(fn, *xs) if aval.shape)
+  """Saved residuals' types. Single values are left out: without
+  program_order jax also saves a scalar literal of the body's (float32[1]
+  out of a shard_map), which an ordered body keeps inside its backward block
+  (see transformations_test)."""
+  return sorted(str(aval) for aval, _ in saved_residuals(fn, *xs)
+                if aval.size > 1)
 
 
 def _bucket(n: int) -> str:
@@ -188,8 +193,15 @@ def check_traced_like_unordered(program: fp.Program):
       assert saved_residual_types(ours, xs) == want
 
 
+def _log(program):
+  if _LOG:
+    with open(_LOG, "w") as f:
+      f.write(repr(program) + "\n")
+
+
 def check_computes_like_unordered(program: fp.Program):
   """Compiled and run: values, gradient, jvp, linearize and hvp."""
+  _log(program)
   ours, plain, xs = _both(program)
   n = len(xs)
   with _remat3(program):
@@ -218,6 +230,7 @@ def check_against_unordered(program: fp.Program):
 def check_against_jax(program: fp.Program):
   """On jax >= 0.12: the same barrier and token counts as jax's own
   program_order, or, where jax's own refuses the program, ours runs it."""
+  _log(program)
   xs = fp.inputs(program)
   n = len(xs)
   ours = jax.jit(derivatives(fp.build(program), n))
