@@ -3,6 +3,7 @@
 #   make test          the test suite on the newest supported jax this machine can run
 #   make test-all      the test suite on every supported jax (0.10.2, 0.11.0, 0.12.0.1)
 #   make test-jaxX     the test suite on jax X alone
+#   make fuzz N=500    the differential fuzz tests on N random programs each, on the newest jax
 #   make demo          `jax-overlap demo` on the newest jax (DEMO_ARGS: e.g. --steps 50)
 #   make bench         benchmarks/bench.py on every supported jax
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
@@ -10,8 +11,8 @@
 #   make clean         remove the venvs and build leftovers
 #
 # Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
-# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick),
-# PY311 / PY312 (override the interpreters found below).
+# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick), N (random programs per fuzz
+# test), PY311 / PY312 (override the interpreters found below).
 #
 # Each jax version gets its own venv, .venv-jaxX, built from nothing by its stamp
 # .venv-jaxX/.installed (remade when pyproject.toml or constraints/jax-X.txt changes):
@@ -84,6 +85,20 @@ bench-jax$(1): $(call stamp,$(1))
 	$(call venv,$(1))/bin/python benchmarks/bench.py $$(BENCH_ARGS)
 endef
 $(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
+
+# --- fuzzing --------------------------------------------------------------------
+# `make test` runs tests/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
+# new random programs per fuzz test (hypothesis prints how to reproduce a failure). Each
+# program is written to out/fuzz-last-program.py before it is compiled: if XLA takes the
+# process down, that file holds the program that did it.
+N ?= 200
+
+.PHONY: fuzz
+fuzz: $(call stamp,$(NEWEST))
+	@mkdir -p out
+	JAX_OVERLAP_FUZZ_EXAMPLES=$(N) JAX_OVERLAP_FUZZ_LOG=out/fuzz-last-program.py \
+	  $(call venv,$(NEWEST))/bin/python -m pytest -q tests/fuzz_test.py \
+	  --hypothesis-show-statistics $(PYTEST_ARGS)
 
 # --- demo, benchmarks ---------------------------------------------------------
 .PHONY: demo bench

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from jax_overlap._src import _compat
 from jax_overlap._src.ordering import lowering as _lowering  # noqa: F401 - registers rules
 from jax_overlap._src.ordering import rules as _rules  # noqa: F401 - registers rules
 from jax_overlap._src.ordering.primitive import bind
@@ -152,12 +153,29 @@ def _wrap(fun, *, enforce, strict_in, strict_out, excluded_names):
       arg_mask = _excluded_leaves(signature, excluded_names, args, kwargs)
     else:
       arg_mask = [False] * len(args_flat)
-    outs = bind([*closed_over, *args_flat], call_jaxpr=traced.jaxpr,
+    inputs = [*closed_over, *args_flat]
+    excluded = [False] * len(closed_over) + arg_mask
+    body, used = _used_inputs(traced.jaxpr)
+    outs = bind([x for x, u in zip(inputs, used) if u], call_jaxpr=body,
                 enforce=enforce, strict_in=strict_in, strict_out=strict_out,
-                excluded=[False] * len(closed_over) + arg_mask)
+                excluded=[e for e, u in zip(excluded, used) if u])
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
   return wrapped
+
+
+def _used_inputs(closed):
+  """The body, and which of its inputs it reads.
+
+  An input the body never reads must not be an input of the equation:
+  autodiff would take the block to depend on it and keep what its tangent
+  needs (e.g. jax.checkpoint around the block saves a residual the
+  undecorated function doesn't). Where every input is read, the body is
+  returned unchanged.
+  """
+  n_out = len(_compat.open_jaxpr(closed).outvars)
+  body, used = _compat.dce(closed, [True] * n_out)
+  return (closed, used) if all(used) else (body, used)
 
 
 def _excluded_leaves(signature, names, args, kwargs) -> list[bool]:

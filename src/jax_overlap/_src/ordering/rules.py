@@ -287,7 +287,7 @@ def _dce(used_outputs, eqn):
   if not any(used_outputs) and not body.effects:
     return [False] * len(eqn.invars), None
   new_body, used_inputs = _compat.dce(body, used_outputs)
-  if all(used_outputs) and all(used_inputs):
+  if all(used_outputs) and all(used_inputs) and _same_eqns(new_body, body):
     return used_inputs, eqn
   new_params = dict(eqn.params, call_jaxpr=new_body,
                     excluded=tuple(_pick(used_inputs, eqn.params["excluded"])))
@@ -296,6 +296,15 @@ def _dce(used_outputs, eqn):
       program_order_p, new_params, core.positional_effects(new_body),
       eqn.source_info, eqn.ctx)
   return used_inputs, new_eqn
+
+
+def _same_eqns(new_body, body) -> bool:
+  # Dead code nested in an equation (a jit's unused output) changes that
+  # equation only: a body whose every output is used may still have shrunk.
+  new_eqns = _compat.open_jaxpr(new_body).eqns
+  old_eqns = _compat.open_jaxpr(body).eqns
+  return len(new_eqns) == len(old_eqns) and all(
+      a is b for a, b in zip(new_eqns, old_eqns))
 
 
 _compat.register_dce_rule(program_order_p, _dce)
