@@ -812,7 +812,9 @@ def _fold(jaxpr, body_rule, own_rule) -> Counts:
   """Sums `body_rule(body, strict_in, strict_out)` over the ordered bodies
   and `own_rule(eqn)` over the other equations, nested ones included."""
   total = Counts(0, 0)
-  for eqn in _open(jaxpr).eqns:
+  j = _open(jaxpr)
+  used = _used_later(j)
+  for k, eqn in enumerate(j.eqns):
     if eqn.primitive.name == "program_order":
       body = _dce(eqn.params["call_jaxpr"])
       total += _fold(body, body_rule, own_rule)
@@ -821,9 +823,19 @@ def _fold(jaxpr, body_rule, own_rule) -> Counts:
                            eqn.params["strict_out"])
       continue
     total += own_rule(eqn)
-    for sub in _inner_jaxprs(eqn):
+    for sub in _inner_jaxprs(eqn, [v in used[k] for v in eqn.outvars]):
       total += _fold(sub, body_rule, own_rule)
   return total
+
+
+def _used_later(jaxpr) -> list[set]:
+  """For each equation, the variables read after it (or returned)."""
+  live = set(v for v in jaxpr.outvars if not _is_literal(v))
+  out = []
+  for eqn in reversed(jaxpr.eqns):
+    out.append(set(live))
+    live |= set(v for v in eqn.invars if not _is_literal(v))
+  return out[::-1]
 
 
 def _jax_own_barriers(eqn) -> Counts:
@@ -838,14 +850,19 @@ def _jax_own_barriers(eqn) -> Counts:
   return Counts(0, 0)
 
 
-def _inner_jaxprs(eqn):
+def _inner_jaxprs(eqn, used_outs):
   """The jaxprs an equation lowers inline, each once."""
   yield from core.jaxprs_in_params(eqn.params)
   # jax 0.12's HiJAX calls (jax_remat3's checkpoint) keep theirs on the
-  # object they call.
+  # object they call, which jax's DCE does not enter: its dead code (here,
+  # what feeds only unused outputs) is taken out as the lowering does.
   called = eqn.params.get("_prim")
   if called is not None:
-    yield from core.jaxprs_in_params(getattr(called, "params", {}))
+    for sub in core.jaxprs_in_params(getattr(called, "params", {})):
+      inner = _open(sub)
+      if len(inner.outvars) == len(used_outs):
+        sub, _ = pe.dce_jaxpr(inner, list(used_outs), instantiate=True)
+      yield sub
 
 
 def _steps(body):

@@ -13,19 +13,21 @@ jax's own refuses a program, ours must run it.
 CI runs a fixed, derandomized budget per jax version (a CI failure
 reproduces); `make fuzz N=...` runs N random programs on the newest jax
 (JAX_OVERLAP_FUZZ_EXAMPLES=N, random seeds; hypothesis prints how to
-reproduce a failure). Each failure found becomes a named test in
+reproduce a failure; JAX_OVERLAP_FUZZ_SHRINK=0 shows it unshrunk, at once).
+Each failure found becomes a named test in
 tests/fuzz_regressions_test.py.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, reject, settings
+from hypothesis import HealthCheck, Phase, event, given, reject, settings
 from hypothesis.errors import InvalidArgument
 from jax import lax
 from jax._src import config as jax_config
@@ -49,7 +51,11 @@ def fuzz_settings(ci_examples: int):
   """CI: `ci_examples` programs, the same on every run (derandomized), about
   a minute per jax version on 2 cores. JAX_OVERLAP_FUZZ_EXAMPLES=N: N new
   random programs."""
+  phases = None
+  if os.environ.get("JAX_OVERLAP_FUZZ_SHRINK") == "0":  # the failure as found
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
   return settings(
+      phases=phases or list(Phase),
       max_examples=_N or ci_examples, derandomize=not _N, database=None,
       deadline=None, print_blob=True,
       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -177,7 +183,15 @@ def check_traced_like_unordered(program: fp.Program):
       assert traced_barriers(traced.jaxpr) <= traced_barriers(traced_plain.jaxpr)
     else:
       assert traced_barriers(traced.jaxpr) == 0
-    got = fp.stablehlo_counts(traced.lower().as_text())
+    try:
+      lowered_text = traced.lower().as_text()
+    except Exception:
+      # Where jax cannot lower the plain program either (jax 0.11.0's
+      # jax_remat3 inside shard_map: "sub requires varying manual axes to
+      # match"), there is nothing to compare with.
+      _plain(lambda: traced_plain.lower())
+      raise
+    got = fp.stablehlo_counts(lowered_text)
     want = fp.contract_counts(traced.jaxpr)
     note(f"barriers: {_bucket(got.barriers)}")
     if program.remat3 and not REMAT3_COUNTS_FOLLOW_CONTRACT:
@@ -190,7 +204,16 @@ def check_traced_like_unordered(program: fp.Program):
       note("residuals not compared: a block returns an input or a value twice")
     else:
       want = _plain(lambda: saved_residual_types(plain, xs))
-      assert saved_residual_types(ours, xs) == want
+      got = saved_residual_types(ours, xs)
+      if program.remat3 and got != want:
+        # jax_remat3 keeps a checkpoint's unread inputs alive in the
+        # undecorated program (and saves their tangents' residuals); inside
+        # an ordered body they are dead code. Ours may save fewer, never
+        # more (tests/fuzz_regressions_test.py).
+        assert not Counter(got) - Counter(want), (got, want)
+        note("remat3: ours saves fewer residuals")
+      else:
+        assert got == want
 
 
 def _log(program):

@@ -36,7 +36,9 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   env: dict[core.Var, Any] = {}
 
   def read(atom):
-    return atom.val if isinstance(atom, core.Literal) else env[atom]
+    if isinstance(atom, core.Var) and not isinstance(atom, core.Literal):
+      return env[atom]
+    return _constant(atom)
 
   def write(outvars, vals):
     for v, x in zip(outvars, vals, strict=True):
@@ -52,7 +54,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   prev_eqn, prev_vals = None, None
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    literal = [isinstance(v, core.Literal) for v in eqn.invars]
+    literal = [_is_constant(v) for v in eqn.invars]
     if prev_eqn is None:
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
@@ -83,9 +85,20 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   return outs
 
 
+def _is_constant(atom) -> bool:
+  """A literal, or a bare constant: jax 0.10.2's jax_remat3 leaves some
+  arrays in a jaxpr's equations unwrapped (jax's own evaluator then fails on
+  them; tests/fuzz_regressions_test.py)."""
+  return isinstance(atom, core.Literal) or not isinstance(atom, core.Var)
+
+
+def _constant(atom):
+  return atom.val if isinstance(atom, core.Literal) else atom
+
+
 def _fence_together(prev_eqn, prev_vals, eqn, invals, literal):
   """One barrier over A's unconsumed outputs and B's non-literal inputs."""
-  consumed = set(v for v in eqn.invars if not isinstance(v, core.Literal))
+  consumed = set(v for v in eqn.invars if not _is_constant(v))
   kept = [i for i, v in enumerate(prev_eqn.outvars) if v not in consumed]
   fed = [i for i, lit in enumerate(literal) if not lit]
   fenced = _compat.barrier([*(prev_vals[i] for i in kept),
