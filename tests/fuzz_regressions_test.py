@@ -456,6 +456,54 @@ def test_free_block_fed_a_literal():
   check_against_unordered(FREE_BLOCK_FED_A_LITERAL)
 
 
+# Found by `make fuzz N=150` on jax 0.12 (shrunk by hand): an ordered block
+# whose output does not depend on its input (a checkpointed iota in a jit).
+# Its tangent is a symbolic zero: ours passes it on, so in jax.jvp the block
+# is dead code and gets no barrier, as the contract's first rule says; jax's
+# own program_order instantiates the zeros and lowers the whole block (5
+# barriers). The fuzzer's comparison with jax's own now accepts fewer
+# barriers in derivatives only, where the undifferentiated program's counts
+# are equal and ours follow the contract.
+OUTPUT_INDEPENDENT_OF_INPUT = Program(
+    inputs=((4, 4),), sharded=False, remat3=True,
+    top=Block('ordered',
+        args=(0,),
+        body=(
+          Block('jit',
+              args=(),
+              body=(
+                Block('checkpoint',
+                    args=(0,),
+                    body=(
+                      Op('iota', (), (4, 4)),
+                    ),
+                    outs=(1,),
+                    param='nothing_saveable'),
+              ),
+              outs=(1,),
+              closure=(0,)),
+          Op('unary', (1,), 'sin'),
+          Op('unary', (2,), 'sin'),
+        ),
+        outs=(3,),
+        param=False))
+
+
+@needs_jax_oracle
+def test_symbolic_zero_tangent_block_is_dead_in_jvp():
+  program = OUTPUT_INDEPENDENT_OF_INPUT
+  xs = fp.inputs(program)
+  jvp = lambda f: (lambda x: jax.jvp(f, (x,), (x,))[1])
+  with jax_config.remat3(True):
+    ours = jax.jit(jvp(fp.build(program))).trace(*xs)
+    theirs = jax.jit(jvp(fp.build(program, po=jax_program_order))).lower(*xs)
+    assert fp.stablehlo_counts(ours.lower().as_text()) == \
+        fp.contract_counts(ours.jaxpr) == fp.Counts(0, 0)
+    assert fp.stablehlo_counts(theirs.as_text()).barriers == 5
+  check_against_jax(program)
+  check_against_unordered(program)
+
+
 # --- open ------------------------------------------------------------------------------
 
 # An equation whose inputs are all literals (jnp.full: broadcast_in_dim of

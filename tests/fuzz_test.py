@@ -279,7 +279,32 @@ def check_against_jax(program: fp.Program):
   # The one known difference (tests/fuzz_regressions_test.py, xfail): a step
   # whose B has only literal inputs gets a token from ours, none from jax's.
   want += fp.Counts(0, fp.literal_fed_steps(ours_traced.jaxpr))
+  if got != want and _fewer_in_derivatives_only(program, xs, got, want,
+                                                ours_traced):
+    return
   assert got == want, (got, want)
+
+
+def _fewer_in_derivatives_only(program, xs, got, want, ours_traced) -> bool:
+  """Where jax's own lowers more barriers than ours in the derivatives only.
+
+  A block whose outputs do not depend on the inputs has symbolic-zero
+  tangents: ours passes them on, so the block's jvp is dead code and gets no
+  barrier (the contract's first rule); jax's own instantiates the zeros and
+  lowers the block (tests/fuzz_regressions_test.py). Accepted when the
+  undifferentiated program's counts are equal to jax's own and ours follow
+  the contract."""
+  if not (got.barriers < want.barriers and got.tokens <= want.tokens):
+    return False
+  if got != fp.contract_counts(ours_traced.jaxpr):
+    return False
+  with _remat3(program):
+    ours = jax.jit(fp.build(program)).lower(*xs).as_text()
+    theirs = jax.jit(fp.build(program, po=jax_program_order)).lower(*xs).as_text()
+  if fp.stablehlo_counts(ours).barriers != fp.stablehlo_counts(theirs).barriers:
+    return False
+  note("jax's own lowers more barriers in derivatives (symbolic-zero tangents)")
+  return True
 
 
 # --- the property tests ------------------------------------------------------------------
