@@ -19,12 +19,20 @@ from jax_overlap import program_order
 import fuzz_programs as fp
 import lowered
 from fuzz_programs import Block, Op, Program
-from fuzz_test import (check_against_jax, check_against_unordered, derivatives,
-                       jax_program_order, saved_residual_types)
+from fuzz_test import (_both, _remat3, check_against_jax, check_against_unordered,
+                       derivatives, jax_program_order, saved_residual_types)
 
 needs_jax_oracle = pytest.mark.skipif(
     jax_program_order is None,
     reason="this jax has no jax.experimental.overlap.program_order")
+
+
+def _saved_residuals(program):
+  """Saved residual types of ours and of the undecorated program, with the
+  program's jax_remat3 setting."""
+  ours, plain, xs = _both(program)
+  with _remat3(program):
+    return saved_residual_types(ours, xs), saved_residual_types(plain, xs)
 
 
 def _counts(program, po=program_order):
@@ -103,11 +111,7 @@ UNREAD_INPUT_UNDER_REMAT3 = Program(
 
 def test_unread_block_input_is_not_saved_under_remat3():
   program = UNREAD_INPUT_UNDER_REMAT3
-  xs = fp.inputs(program)
-  with jax_config.remat3(True):
-    got = saved_residual_types(fp.build(program), xs)
-    want = saved_residual_types(
-        fp.build(program, po=fp.identity_decorator, futures=False), xs)
+  got, want = _saved_residuals(program)
   assert got == want == ["float32[4]"]
   check_against_unordered(program)
 
@@ -141,11 +145,7 @@ CHECKPOINT_UNREAD_INPUT_IN_ORDERED_BODY = Program(
 
 def test_checkpoint_unread_input_in_ordered_body_saves_fewer_under_remat3():
   program = CHECKPOINT_UNREAD_INPUT_IN_ORDERED_BODY
-  xs = fp.inputs(program)
-  with jax_config.remat3(True):
-    got = saved_residual_types(fp.build(program), xs)
-    want = saved_residual_types(
-        fp.build(program, po=fp.identity_decorator, futures=False), xs)
+  got, want = _saved_residuals(program)
   # One fewer on jax 0.12; the same on 0.10.2 and 0.11.0, whose jax_remat3
   # drops the unread input too.
   assert not Counter(got) - Counter(want), (got, want)
@@ -264,7 +264,7 @@ JAX_REMAT3_PVARY_IN_SHARD_MAP = Program(
 
 def test_program_jax_remat3_fails_on_in_shard_map():
   program = JAX_REMAT3_PVARY_IN_SHARD_MAP
-  plain = fp.build(program, po=fp.identity_decorator, futures=False)
+  _, plain, _ = _both(program)
   try:
     with jax_config.remat3(True):
       jax.jit(derivatives(plain, 1)).trace(*fp.inputs(program))
@@ -350,12 +350,11 @@ JAX_REMAT3_CANNOT_LOWER_PLAIN = Program(
 
 def test_remat3_program_jax_cannot_lower_runs_with_ours():
   program = JAX_REMAT3_CANNOT_LOWER_PLAIN
-  xs = fp.inputs(program)
+  ours, plain, xs = _both(program)
   n = len(xs)
-  plain = fp.build(program, po=fp.identity_decorator, futures=False)
   want = jax.jit(derivatives(plain, n))(*xs)
   with jax_config.remat3(True):
-    got = jax.jit(derivatives(fp.build(program), n))(*xs)
+    got = jax.jit(derivatives(ours, n))(*xs)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert jax.numpy.allclose(a, b, rtol=1e-4, atol=1e-4)
   if lowered.HAS_LOJAX:  # jax 0.12 lowers the plain program: compare all
@@ -632,10 +631,8 @@ _SAVED_TWICE = ("a block's output that is its input, or a value it returns "
 @pytest.mark.parametrize("program", [RETURNS_ITS_INPUT, RETURNS_A_VALUE_TWICE],
                          ids=["returns_its_input", "returns_a_value_twice"])
 def test_saved_residuals_when_a_block_returns_a_value_again(program):
-  xs = fp.inputs(program)
-  ours = fp.build(program)
-  plain = fp.build(program, po=fp.identity_decorator, futures=False)
-  assert saved_residual_types(ours, xs) == saved_residual_types(plain, xs)
+  got, want = _saved_residuals(program)
+  assert got == want
 
 
 @pytest.mark.parametrize("program", [RETURNS_ITS_INPUT, RETURNS_A_VALUE_TWICE],

@@ -268,7 +268,7 @@ def check_against_jax(program: fp.Program):
       note(f"jax's own program_order refused: {type(e).__name__}")
       theirs_text = None
     if theirs_text is None:
-      plain = fp.build(program, po=fp.identity_decorator, futures=False)
+      _, plain, _ = _both(program)
       want = _plain(lambda: jax.jit(derivatives(plain, n))(*xs))
       got = ours_lowered.compile()(*xs)
       assert_same(got, want, False, "values and derivatives")

@@ -36,9 +36,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   env: dict[core.Var, Any] = {}
 
   def read(atom):
-    if isinstance(atom, core.Var) and not isinstance(atom, core.Literal):
-      return env[atom]
-    return _constant(atom)
+    return _constant(atom) if _is_constant(atom) else env[atom]
 
   def write(outvars, vals):
     for v, x in zip(outvars, vals, strict=True):
