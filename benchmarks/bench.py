@@ -77,6 +77,17 @@ class Stages:
     return self.trace + self.lower + self.compile + self.first_run
 
 
+def _trace_and_lower(make_fn, args):
+  """A fresh function traced and lowered: (lowered, trace s, lower s)."""
+  fn = jax.jit(make_fn())
+  t0 = time.perf_counter()
+  traced = fn.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  return lowered, t1 - t0, t2 - t1
+
+
 def stages(make_fn, args, reps: int,
            lower_reps: int = 3) -> tuple[Stages, object, object]:
   """Best of `reps` first calls; also the last lowered and compiled. Where
@@ -85,26 +96,17 @@ def stages(make_fn, args, reps: int,
   lowering of a large body is too noisy for a ratio."""
   best = None
   for _ in range(reps):
-    fn = jax.jit(make_fn())
-    t0 = time.perf_counter()
-    traced = fn.trace(*args)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
+    lowered, t_trace, t_lower = _trace_and_lower(make_fn, args)
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     t4 = time.perf_counter()
-    s = Stages(t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+    s = Stages(t_trace, t_lower, t3 - t2, t4 - t3)
     best = s if best is None or s.first_call < best.first_call else best
   for _ in range(lower_reps - reps):
-    fn = jax.jit(make_fn())
-    t0 = time.perf_counter()
-    traced = fn.trace(*args)
-    t1 = time.perf_counter()
-    traced.lower()
-    t2 = time.perf_counter()
-    best.trace, best.lower = min(best.trace, t1 - t0), min(best.lower, t2 - t1)
+    _, t_trace, t_lower = _trace_and_lower(make_fn, args)
+    best.trace, best.lower = min(best.trace, t_trace), min(best.lower, t_lower)
   return best, lowered, compiled
 
 
