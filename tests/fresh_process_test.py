@@ -135,3 +135,54 @@ def test_cli_in_a_process_of_its_own(forked_results):
   assert done.returncode == 0, done.stderr[-4000:]
   kinds = [c["kind"] for c in json.loads(done.stdout)["collectives"]]
   assert kinds == ["all-gather"], kinds
+
+
+# --- the probes themselves, in this process ---------------------------------------
+
+def test_cpu_probe_answers_alike_in_every_context():
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax_overlap._src import _compat  # noqa: PLC0415
+  probe = lambda: _compat.run_outside_user_context(
+      _compat._compile_cpu_barrier_probe)
+  explicit = jax.make_mesh((8,), ("i",),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+  answers = {"none": probe()}
+  with jax.set_mesh(explicit):
+    answers["set_mesh explicit"] = probe()
+  with jax.default_device(jax.devices()[3]):
+    answers["default_device"] = probe()
+
+  def traced(x):
+    answers["inside a jit trace"] = probe()
+    return x
+  jax.jit(traced)(jnp.float32(1))
+  assert len(set(answers.values())) == 1, answers
+
+
+def test_a_failed_probe_is_not_kept(monkeypatch):
+  from jax_overlap._src import _compat  # noqa: PLC0415
+  monkeypatch.setattr(_compat, "_probe_answers", {})
+  calls = []
+
+  def flaky():
+    calls.append(None)
+    if len(calls) == 1:
+      raise RuntimeError("the first try fails")
+    return "answer"
+  with pytest.raises(RuntimeError, match="first try"):
+    _compat.probe_once("flaky", flaky)
+  assert _compat.probe_once("flaky", flaky) == "answer"
+  assert _compat.probe_once("flaky", flaky) == "answer" and len(calls) == 2
+
+
+def test_cpu_probe_that_fails_keeps_barriers(monkeypatch):
+  # Keeping barriers until scheduling is harmless on any CPU compiler.
+  from jax_overlap._src import _compat  # noqa: PLC0415
+  monkeypatch.setattr(_compat, "_probe_answers", {})
+
+  def broken():
+    raise RuntimeError("no compile today")
+  monkeypatch.setattr(_compat, "_compile_cpu_barrier_probe", broken)
+  assert _compat.cpu_expands_barriers_before_scheduling() is True
+  assert "cpu_expands_barriers_before_scheduling" not in _compat._probe_answers
