@@ -1,8 +1,11 @@
 """Programs run both across two processes and in one (multiprocess_test.py).
 
-`run_all(mesh)` builds each program on `mesh` (8 devices, axis "i": one
+`run_all()` builds each program on an 8-device mesh with axis "i" (one
 process's 8, or two processes' 4 each), runs it on inputs made the same way
-everywhere, and returns its results as full numpy arrays.
+everywhere, and returns its results as full numpy arrays. Everything runs
+inside `jax.set_mesh`, as a user would write it, and the first jax_overlap
+call is an ordered program compiled there on an Explicit mesh (issue 15,
+defect 1: that first compile failed on jax 0.10.2 and 0.11.0).
 """
 
 from __future__ import annotations
@@ -102,8 +105,53 @@ def _collective_matmul(mesh):
   return out
 
 
-def run_all(mesh) -> dict[str, np.ndarray]:
+def _ordered_program(mesh):
+  """An ordered program outside shard_map, on arrays sharded over the mesh."""
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(32, 8)).astype(np.float32)
+  w = rng.normal(size=(8, 8)).astype(np.float32)
+
+  @jo.program_order(enforce=True)
+  def f(x, w):
+    a = jnp.sin(x * 2.0)
+    return jnp.tanh(a @ w) * x + a
+  loss = lambda x, w: jnp.sum(f(x, w) ** 2)
+  args = _put(mesh, x, P("i")), _put(mesh, w, P())
+  value = jax.jit(f)(*args)
+  gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+  return {"ordered/value": _to_host(value), "ordered/grad_x": _to_host(gx),
+          "ordered/grad_w": _to_host(gw)}
+
+
+def _fsdp_explicit(mesh):
+  """`fsdp_scan` outside shard_map on an Explicit mesh (the `_fsdp` model)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 16)).astype(np.float32)
+  w1 = (rng.normal(size=(3, 16, 24)) * 0.3).astype(np.float32)
+  w2 = (rng.normal(size=(3, 24, 16)) * 0.3).astype(np.float32)
+  layer = lambda h, w: h + jnp.tanh(h @ w["w1"]) @ w["w2"]
+  loss = lambda x, params: jnp.sum(jo.fsdp_scan(layer, x, params, axis="i") ** 2)
+  params = {"w1": _put(mesh, w1, P(None, "i")), "w2": _put(mesh, w2, P(None, "i"))}
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+      _put(mesh, x, P("i")), params)
+  return {"fsdp_explicit/loss": _to_host(value),
+          "fsdp_explicit/grad_x": _to_host(grads[0]),
+          "fsdp_explicit/grad_w1": _to_host(grads[1]["w1"]),
+          "fsdp_explicit/grad_w2": _to_host(grads[1]["w2"])}
+
+
+def _mesh(kind):
+  return jax.make_mesh((8,), ("i",), axis_types=(kind,))
+
+
+def run_all() -> dict[str, np.ndarray]:
   results = {}
-  for part in (_futures, _fsdp, _collective_matmul):
-    results.update(part(mesh))
+  explicit = _mesh(jax.sharding.AxisType.Explicit)
+  with jax.set_mesh(explicit):
+    for part in (_ordered_program, _fsdp_explicit):   # the first calls
+      results.update(part(explicit))
+  auto = _mesh(jax.sharding.AxisType.Auto)
+  with jax.set_mesh(auto):
+    for part in (_futures, _fsdp, _collective_matmul):
+      results.update(part(auto))
   return results

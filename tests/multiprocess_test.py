@@ -2,7 +2,9 @@
 
 Two processes with 4 CPU devices each form one 8-device jax system
 (`jax.distributed` on 127.0.0.1, a free port); the results must equal the
-same programs run here in one process on 8 devices. Both processes are
+same programs run here in one process on 8 devices. In the two processes the
+first jax_overlap call is an ordered program compiled inside `jax.set_mesh`.
+Both processes are
 stopped on any failure or timeout; none is left behind.
 """
 
@@ -14,7 +16,6 @@ import socket
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -63,8 +64,7 @@ def two_process_results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process_results():
-  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
-  return multiprocess_programs.run_all(mesh)
+  return multiprocess_programs.run_all()
 
 
 def test_same_programs(two_process_results, one_process_results):
@@ -75,6 +75,8 @@ def test_same_programs(two_process_results, one_process_results):
     f"{c}/{k}" for c in ("all_gather", "psum", "psum_scatter", "all_to_all",
                          "ppermute") for k in ("value", "grad")] + [
     "fsdp/loss", "fsdp/grad_x", "fsdp/grad_w1", "fsdp/grad_w2"] + [
+    f"fsdp_explicit/{k}" for k in ("loss", "grad_x", "grad_w1", "grad_w2")] + [
+    "ordered/value", "ordered/grad_x", "ordered/grad_w"] + [
     f"{c}/{k}" for c in ("all_gather_matmul", "matmul_reduce_scatter")
     for k in ("value", "grad_x", "grad_w")])
 def test_two_processes_equal_one(name, two_process_results, one_process_results):

@@ -3,8 +3,8 @@
   python multiprocess_worker.py PROCESS_ID PORT OUT.npz
 
 Joins a 2-process jax system on 127.0.0.1:PORT with 4 CPU devices here, runs
-multiprocess_programs.run_all on the 8-device mesh, and (process 0) writes
-the results to OUT.npz.
+multiprocess_programs.run_all on 8-device meshes (its first jax_overlap call
+is made inside `jax.set_mesh`), and (process 0) writes the results to OUT.npz.
 """
 
 import os
@@ -27,8 +27,7 @@ def main():
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import multiprocess_programs  # noqa: PLC0415
   assert jax.device_count() == 8 and jax.local_device_count() == 4
-  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
-  results = multiprocess_programs.run_all(mesh)
+  results = multiprocess_programs.run_all()
   if process_id == 0:
     np.savez(out, **results)
   jax.distributed.shutdown()

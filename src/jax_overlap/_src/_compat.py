@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -139,18 +140,61 @@ def _is_ref(x) -> bool:
   return isinstance(core.typeof(x), AbstractRef)
 
 
+# --- probes -------------------------------------------------------------------
+
+# A feature that only a lowering or a compile can reveal is probed once per
+# process. The probe runs when the user's first program needs the answer:
+# inside their trace, their `jax.set_mesh` / sharding / default-device
+# context, perhaps in one process of several. jax keeps all of those per
+# thread (and in contextvars, which a new thread does not inherit), so a
+# probe runs on a thread of its own, where jax sees its global defaults only:
+# its answer does not depend on the user's context, nor does it disturb it.
+# Only an answer is kept: a probe that raised is tried again next time.
+_probe_answers: dict[str, Any] = {}
+_probe_lock = threading.Lock()
+
+
+def run_outside_user_context(fn: Callable[[], Any]) -> Any:
+  """`fn()`, run on a fresh thread: no enclosing trace, mesh or sharding
+  context applies to it. Returns its value or raises its exception."""
+  outcome: dict[str, Any] = {}
+
+  def target():
+    try:
+      outcome["value"] = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      outcome["error"] = e
+  thread = threading.Thread(target=target, name="jax_overlap-probe",
+                            daemon=True)
+  thread.start()
+  thread.join()
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
+
+
+def probe_once(name: str, fn: Callable[[], Any]) -> Any:
+  """`fn()`'s answer, found once per process outside the user's context."""
+  if name not in _probe_answers:
+    answer = run_outside_user_context(fn)
+    with _probe_lock:
+      _probe_answers.setdefault(name, answer)
+  return _probe_answers[name]
+
+
 # --- tokens ------------------------------------------------------------------
 
-@functools.cache
 def _barrier_takes_tokens() -> bool:
   # 0.10.2 fails to lower an optimization_barrier over a token operand
   # ('AbstractToken' object has no attribute 'sharding').
-  try:
-    jax.jit(lambda: lax_internal.optimization_barrier(
-        lax_internal.create_token())).lower()
-    return True
-  except Exception:  # noqa: BLE001 - any failure means "no"
-    return False
+  def lower_barrier_over_token() -> bool:
+    try:
+      jax.jit(lambda: lax_internal.optimization_barrier(
+          lax_internal.create_token())).lower()
+      return True
+    except Exception:  # noqa: BLE001 - any failure here means "no"
+      return False
+  return probe_once("barrier_takes_tokens", lower_barrier_over_token)
 
 
 def new_token():
@@ -451,22 +495,35 @@ def _is_marked_ordered(computation) -> bool:
     return False
 
 
-@functools.cache
 def cpu_expands_barriers_before_scheduling() -> bool:
   """Whether this jaxlib's CPU compiler drops barriers before scheduling.
 
   Found by compiling `a = x * 2; barrier(a); a + 1` on CPU: a compiler that
   drops the barrier first fuses both ops into one instruction, one that keeps
-  it until after scheduling leaves two.
+  it until after scheduling leaves two. The probe compiles on this process's
+  first CPU device from an abstract argument, outside the user's context
+  (see `probe_once`): a compile inside `jax.set_mesh`, or in one process of a
+  `jax.distributed` run, sees the same answer. Where the probe itself fails,
+  the answer is "yes": keeping barriers until scheduling is harmless on a
+  compiler that would have kept them anyway (a leftover barrier is a no-op).
   """
   try:
-    cpu = jax.devices("cpu")[0]
+    return probe_once("cpu_expands_barriers_before_scheduling",
+                      _compile_cpu_barrier_probe)
+  except Exception:  # noqa: BLE001 - never fail the user's compile for it
+    return True
+
+
+def _compile_cpu_barrier_probe() -> bool:
+  try:
+    cpu = jax.local_devices(backend="cpu")[0]
   except RuntimeError:  # no CPU backend in this process: nothing to keep
     return False
 
   def probe(x):
     return lax_internal.optimization_barrier(x * 2.0) + 1.0
-  x = jax.device_put(np.zeros((8,), np.float32), cpu)
+  x = jax.ShapeDtypeStruct((8,), np.float32,
+                           sharding=jax.sharding.SingleDeviceSharding(cpu))
   text = jax.jit(probe).lower(x).compile().as_text()
   entry = text[text.index("\nENTRY"):].split("\n}", 1)[0]
   compute = [line for line in entry.splitlines()[2:]

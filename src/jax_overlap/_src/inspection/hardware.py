@@ -183,10 +183,13 @@ _CACHE: dict[str, HardwareProfile] = {}
 
 def _builtin() -> dict[str, HardwareProfile]:
   if not _CACHE:
+    # Built whole, then kept: a read that fails part-way leaves no half table
+    # for a later call to take as the full one.
     data = tomllib.loads(_BUILTIN_FILE.read_text(encoding="utf-8"))
-    for key, table in data.items():
-      _CACHE[key] = HardwareProfile.from_dict(
-          {"name": key, **table}, where=f"built-in profile {key!r}")
+    profiles = {key: HardwareProfile.from_dict(
+        {"name": key, **table}, where=f"built-in profile {key!r}")
+        for key, table in data.items()}
+    _CACHE.update(profiles)
   return _CACHE
 
 
