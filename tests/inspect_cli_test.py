@@ -18,7 +18,7 @@ NO_LHS = str(FIXTURES / "gpu_prefetch_no_lhs.txt")
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 COLLECTIVE_FIELDS = [
-    "kind", "start", "done", "computation", "where", "thread", "async",
+    "kind", "start", "done", "computation", "where", "leaf", "thread", "async",
     "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags"]
 

@@ -9,6 +9,7 @@ errors (see `misuse.py` for how the last is detected).
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -116,12 +117,27 @@ def _warn_if_unfinished(flags: list[bool], description: str) -> None:
 
 
 def user_frame() -> str:
-  """`file:line (function)` of the user's call, for error messages."""
+  """`file:line (function)` of the user's call, for error messages and the
+  overlap report; '' when no frame on the stack is the user's."""
   info = source_info_util.current()
   try:
-    return source_info_util.summarize(info)
+    where = source_info_util.summarize(info)
   except Exception:  # noqa: BLE001 - best effort: a message must not fail
     return "<unknown location>"
+  # jax keeps only the innermost frames of a traceback: a start deep inside
+  # a pattern (fsdp_scan's scan body) keeps none of the user's. The Python
+  # stack still has them.
+  return where or _python_user_frame()
+
+
+def _python_user_frame() -> str:
+  frame = sys._getframe(1)
+  while frame is not None:
+    code = frame.f_code
+    if source_info_util.is_user_filename(code.co_filename):
+      return f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
+    frame = frame.f_back
+  return ""
 
 
 class Future:

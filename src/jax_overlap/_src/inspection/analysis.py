@@ -98,7 +98,8 @@ def _collective(pair, schedule, timeline, several_threads) -> CollectiveRecord:
       kind=pair.kind, start=pair.start.name,
       done=pair.done.name if pair.done else None,
       computation=pair.computation,
-      where=attrs.source_location(pair.start), thread=pair.thread,
+      where=attrs.source_location(pair.start), leaf=attrs.leaf(pair.start),
+      thread=pair.thread,
       is_async=pair.is_async, made_blocking=pair.made_blocking,
       bytes=pair.bytes, group_size=pair.group_size,
       overlapped=list(pair.overlapped),
@@ -131,7 +132,8 @@ def _written(window: WrittenWindow, model: CostModel) -> WrittenRecord:
   if not window.finished:
     flags.append("done() not found")
   return WrittenRecord(
-      collective=window.collective, kind=window.kind, where=window.where,
+      collective=window.collective, kind=window.kind,
+      where=window.where or None, leaf=window.leaf,
       bytes=window.bytes, group_size=window.group_size,
       overlapped=list(window.overlapped), loop=window.loop, comm_s=comm,
       compute_s=compute, exposed_s=max(0.0, comm - compute), flags=flags)

@@ -14,6 +14,7 @@ from typing import Any
 
 from jax_overlap._src.inspection import lexing
 from jax_overlap._src.inspection.hlo_module import HloInstruction, HloModule
+from jax_overlap._src.patterns.leaf_scope import leaf_from_op_name
 
 _IOTA_GROUPS = re.compile(r"\[([\d,\s]+)\]<=\[[\d,\s]+\](T\([\d,\s]+\))?")
 _MESH_GROUPS = re.compile(r"mesh\[(.*)\]\s*\{(.*)\}")
@@ -81,6 +82,16 @@ def op_name(instr: HloInstruction) -> str:
   value = instr.attributes.get("metadata", "")
   m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', value)
   return m.group(1) if m else ""
+
+
+def leaf(instr: HloInstruction) -> str | None:
+  """What a pattern's collective moves (e.g. "['w1']"), from the
+  `jax_overlap.leaf=` scope in its op_name; None when it does not say."""
+  try:
+    name = lexing.unquote(f'"{op_name(instr)}"')
+  except ValueError:
+    return None
+  return leaf_from_op_name(name)
 
 
 def source_location(instr: HloInstruction) -> str | None:

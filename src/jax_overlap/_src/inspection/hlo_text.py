@@ -7,6 +7,12 @@ it has not reached its opcode and the next line starts no instruction. `//`
 and `/* */` comments are dropped first; the source-location tables newer XLA
 prints after the header are skipped. Every failure is an `HloParseError`
 naming the line.
+
+Dump files and `compile().as_text()` of the same compile differ: where
+`as_text()` writes `%e = f32[8] get-tuple-element(%t), index=1` and uses
+`%e`, a dump file (`--xla_dump_to`, jax 0.11 and later) writes no such
+instruction and uses `%t#1`. The reader gives both one form: each `%t#N` is
+read as a `get-tuple-element` of `%t` (named `t#N`), placed right after `%t`.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ _STARTS_INSTRUCTION = re.compile(
     r"(ROOT\s+)?%?[\w.\-]+\s*=\s*(\(|[a-z][a-z0-9]*\[)")
 _OPCODE = re.compile(r"[a-z][a-z0-9\-_]*")
 _TYPED = re.compile(r"\(|[a-z][a-z0-9]*\[")
-_NAME = re.compile(r"%?([\w.\-]+)")
+_NAME = re.compile(r"%?([\w.\-]+(?:#\d+)*)")
+# `%t#1` (element 1 of the tuple `%t`), as dump files write it; `%t#1#0` nests.
+_TUPLE_ELEMENT = re.compile(r"(.+)#(\d+)")
 _LOCATION_TABLES = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
 _LOCATION_ROW = re.compile(r"\d+\s")
 _NO_OPERANDS = {"parameter", "constant", "iota"}
@@ -260,9 +268,62 @@ class _Reader:
       instructions.append(parse_instruction(text, chunk_line, self.source))
       instructions[-1].text = text
       chunk, depth = [], 0
+    instructions = self._with_tuple_elements(instructions)
     comp = HloComputation(name, instructions, is_entry, thread, header_line)
     self._check_operands(comp)
     return comp
+
+  def _with_tuple_elements(
+      self, instructions: list[HloInstruction]) -> list[HloInstruction]:
+    """`instructions` with a `get-tuple-element` named `t#N` after `%t` for
+    every `%t#N` operand (the dump file's form of what `as_text()` writes as
+    an instruction), so the rest of the reader sees one form."""
+    wanted = {o for i in instructions for o in i.operands if "#" in o}
+    if not wanted:
+      return instructions
+    by_name = {i.name: i for i in instructions}
+    after: dict[str, list[HloInstruction]] = {}
+    made: dict[str, HloInstruction] = {}
+
+    def element(name: str, user: HloInstruction) -> HloInstruction | None:
+      if name in made or name in by_name:
+        return made.get(name) or by_name[name]
+      m = _TUPLE_ELEMENT.fullmatch(name)
+      if not m:
+        return None  # an undefined operand: _check_operands says so
+      tuple_ = element(m.group(1), user)
+      if tuple_ is None:
+        return None
+      index = int(m.group(2))
+      if not tuple_.shape.is_tuple or index >= len(tuple_.shape.elements):
+        raise self.fail(
+            f"operand %{name}: %{tuple_.name} has no element {index} (its "
+            f"shape is {tuple_.shape_text or tuple_.shape})", user.line_number)
+      shape = tuple_.shape.elements[index]
+      gte = HloInstruction(
+          name=name, opcode="get-tuple-element", shape=shape,
+          operands=(tuple_.name,), attributes={"index": str(index)},
+          line_number=user.line_number, shape_text=str(shape),
+          text=f"%{name} = {shape} get-tuple-element(%{tuple_.name}), "
+               f"index={index}", operand_text=f"%{tuple_.name}")
+      made[name] = gte
+      after.setdefault(tuple_.name, []).append(gte)
+      return gte
+
+    for instr in instructions:
+      for operand in instr.operands:
+        if "#" in operand:
+          element(operand, instr)
+    out: list[HloInstruction] = []
+
+    def place(instr: HloInstruction) -> None:
+      out.append(instr)
+      for gte in after.get(instr.name, ()):
+        place(gte)  # a nested element right after its own tuple element
+
+    for instr in instructions:
+      place(instr)
+    return out
 
   def _next_line_continues(self, text: str) -> bool:
     """Whether the next line goes on with `text`: it starts with ',', or

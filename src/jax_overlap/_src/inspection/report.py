@@ -31,6 +31,7 @@ class CollectiveRecord(_Record):
   done: str | None
   computation: str
   where: str | None
+  leaf: str | None
   thread: str
   is_async: bool
   made_blocking: bool
@@ -78,7 +79,8 @@ class WrittenRecord(_Record):
 
   collective: str
   kind: str
-  where: str
+  where: str | None
+  leaf: str | None
   bytes: float
   group_size: int | None
   overlapped: list[str]
@@ -90,7 +92,7 @@ class WrittenRecord(_Record):
 
 
 _COLLECTIVE_FIELDS = (
-    "kind", "start", "done", "computation", "where", "thread", "async",
+    "kind", "start", "done", "computation", "where", "leaf", "thread", "async",
     "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags")
 

@@ -30,6 +30,11 @@ def _names(names: list[str], most: int = 3) -> str:
   return "\n".join(names[:most] + more)
 
 
+def _kind(record) -> str:
+  """The kind, and under it the leaf a pattern's collective moves."""
+  return record.kind + (f"\n{record.leaf}" if record.leaf else "")
+
+
 def _runs(runs: float) -> str:
   return f"{runs:g}"
 
@@ -43,7 +48,7 @@ def sections(report) -> list[tuple[str, list[str], list[list[str]]]]:
   for i, c in enumerate(report.collectives, 1):
     where = c.computation + (f" [{c.thread}]" if several else "")
     overlapped = "- (blocking)" if not c.is_async else _names(c.overlapped)
-    rows.append([str(i), c.kind, f"{c.start}\n-> {c.done or '?'}", where,
+    rows.append([str(i), _kind(c), f"{c.start}\n-> {c.done or '?'}", where,
                  format_bytes(c.bytes), overlapped, format_seconds(c.comm_s),
                  format_seconds(c.exposed_s), _runs(c.runs),
                  "\n".join(c.flags)])
@@ -66,7 +71,7 @@ def sections(report) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["#", "start -> done", "computation", "bytes", "overlapped",
                  "copy", "exposed", "runs", "flags"], rows))
   if report.written:
-    rows = [[str(i), w.kind, w.where, format_bytes(w.bytes),
+    rows = [[str(i), _kind(w), w.where or "-", format_bytes(w.bytes),
              _names(w.overlapped), format_seconds(w.comm_s),
              format_seconds(w.compute_s), format_seconds(w.exposed_s),
              "\n".join(w.flags)]

@@ -137,6 +137,14 @@ def flops(eqn) -> float:
   return 0.0
 
 
+def name_stack(eqn) -> str:
+  """The scopes `eqn` was written in ('' when none), as op_name has them."""
+  try:
+    return str(eqn.source_info.name_stack)
+  except AttributeError:
+    return ""
+
+
 def source_line(eqn) -> tuple[str, int] | None:
   """(file, line) of the user's code that wrote `eqn`, if known."""
   try:

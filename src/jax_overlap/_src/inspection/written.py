@@ -18,6 +18,7 @@ from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p)
 from jax_overlap._src.inspection import traced
 from jax_overlap._src.inspection.traced import HLO_KIND
+from jax_overlap._src.patterns.leaf_scope import leaf_from_op_name
 
 #: Primitives counted as compute in a written window.
 COMPUTE_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"}
@@ -37,6 +38,7 @@ class WrittenWindow:
   where: str
   bytes: float
   group_size: int | None
+  leaf: str | None = None
   overlapped: list[str] = dataclasses.field(default_factory=list)
   costs: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   loop: str | None = None
@@ -56,11 +58,14 @@ class _Walker:
     self.windows: list[WrittenWindow] = []
     self.open: dict[int, list[WrittenWindow]] = {}
 
-  def walk(self, jaxpr, axis_sizes: dict[str, int], loop: str | None) -> None:
+  def walk(self, jaxpr, axis_sizes: dict[str, int], loop: str | None,
+           scopes: str = "") -> None:
     for eqn in traced.eqns(jaxpr):
       prim = eqn.primitive
+      # scopes of a nested jaxpr's equations are relative to its holder's
+      eqn_scopes = "/".join(s for s in (scopes, traced.name_stack(eqn)) if s)
       if prim is collective_start_p:
-        self._start(eqn, axis_sizes, loop)
+        self._start(eqn, axis_sizes, loop, eqn_scopes)
         continue
       if prim is collective_done_p:
         opened = self.open.get(id(eqn.params["comm"].state))
@@ -78,15 +83,16 @@ class _Walker:
         if key == "comm":
           continue
         for sub in traced.sub_jaxprs(value):
-          self.walk(sub, inner_sizes, inner_loop)
+          self.walk(sub, inner_sizes, inner_loop, eqn_scopes)
 
-  def _start(self, eqn, axis_sizes, loop) -> None:
+  def _start(self, eqn, axis_sizes, loop, scopes: str) -> None:
     comm = eqn.params["comm"]
     out = comm.out_aval
     window = WrittenWindow(
         collective=comm.name, kind=HLO_KIND.get(comm.name, comm.name),
         where=comm.state.where, bytes=traced.aval_bytes(out),
-        group_size=traced.comm_group_size(comm, axis_sizes), loop=loop)
+        group_size=traced.comm_group_size(comm, axis_sizes),
+        leaf=leaf_from_op_name(scopes), loop=loop)
     self.windows.append(window)
     self.open.setdefault(id(comm.state), []).append(window)
 

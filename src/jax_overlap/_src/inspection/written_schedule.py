@@ -142,8 +142,10 @@ def _where(text: str) -> tuple[str, int] | None:
   return (m.group(1), int(m.group(2))) if m else None
 
 
-def _metadata(op_name: str, eqn, where: tuple[str, int] | None = None) -> str:
+def _metadata(op_name: str, eqn, where: tuple[str, int] | None = None,
+              scopes: str = "") -> str:
   where = where or traced.source_line(eqn)
+  op_name = f"{scopes}/{op_name}" if scopes else op_name  # as jax writes it
   text = f"op_name={json.dumps(op_name, ensure_ascii=False)}"
   if where is not None:
     text += (f" source_file={json.dumps(where[0], ensure_ascii=False)}"
@@ -160,6 +162,7 @@ class _Builder:
     self.costs: dict[str, tuple[float, float]] = {}
     self.comm: dict[str, tuple[str, float, int | None]] = {}
     self.notes: list[str] = []
+    self.scopes: list[str] = []
 
   # --- instructions -------------------------------------------------------------
 
@@ -191,7 +194,17 @@ class _Builder:
     """Appends the instructions of `jaxpr` to `out`. `env` maps each
     in-flight value (a future's) to the instruction that holds it."""
     for eqn in traced.eqns(jaxpr):
-      self.equation(eqn, env, sizes, out)
+      # A nested jaxpr's equations carry their scopes relative to the
+      # equation that holds it; jax joins them when it lowers, and so do we.
+      self.scopes.append(traced.name_stack(eqn))
+      try:
+        self.equation(eqn, env, sizes, out)
+      finally:
+        self.scopes.pop()
+
+  def metadata(self, op_name: str, eqn, where=None) -> str:
+    return _metadata(op_name, eqn, where,
+                     "/".join(s for s in self.scopes if s))
 
   def equation(self, eqn, env, sizes, out) -> None:
     name = eqn.primitive.name
@@ -236,7 +249,7 @@ class _Builder:
             where=None) -> None:
     shape = Shape(elements=(_shape(eqn.invars[0].aval), _shape(out_aval)))
     attributes = self._group(kind, size, perm)
-    attributes["metadata"] = _metadata(label + "_start", eqn, where)
+    attributes["metadata"] = self.metadata(label + "_start", eqn, where)
     instr = HloInstruction(self.fresh(label + "_start"), kind + "-start",
                            shape, (), attributes)
     out.append(instr)
@@ -253,7 +266,7 @@ class _Builder:
   def synchronous(self, eqn, kind, sizes, out) -> None:
     size = traced.group_size(eqn, sizes)
     attributes = self._group(kind, size, eqn.params.get("perm"))
-    attributes["metadata"] = _metadata(eqn.primitive.name, eqn)
+    attributes["metadata"] = self.metadata(eqn.primitive.name, eqn)
     avals = [v.aval for v in eqn.outvars]
     shape = _shape(avals[0]) if len(avals) == 1 else _tuple(avals)
     instr = HloInstruction(self.fresh(eqn.primitive.name), kind, shape, (),
@@ -266,7 +279,7 @@ class _Builder:
     avals = [v.aval for v in eqn.outvars]
     shape = _shape(avals[0]) if len(avals) == 1 else _tuple(avals)
     instr = HloInstruction(self.fresh(eqn.primitive.name), opcode, shape, (),
-                           {"metadata": _metadata(eqn.primitive.name, eqn)})
+                           {"metadata": self.metadata(eqn.primitive.name, eqn)})
     out.append(instr)
     self.costs[instr.name] = _costs(eqn)
 
@@ -328,7 +341,7 @@ class _Builder:
     self.add(loop_name + "_condition", cond_instrs)
     attributes = {"body": f"%{loop_name}_body",
                   "condition": f"%{loop_name}_condition",
-                  "metadata": _metadata(eqn.primitive.name, eqn)}
+                  "metadata": self.metadata(eqn.primitive.name, eqn)}
     if trip is not None:
       attributes["backend_config"] = json.dumps(
           {"known_trip_count": {"n": str(trip)}})

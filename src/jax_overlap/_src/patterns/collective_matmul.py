@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap._src.patterns._ring import Ring, gather_ring, reduce_scatter_ring
+from jax_overlap._src.patterns.leaf_scope import moving
 
 
 def all_gather_matmul(x, w, axis, *, gather_dimension: int = 0,
@@ -171,10 +172,16 @@ def _gather_then_matmul(ring: Ring, dim: int, x, w):
 
   def consume(w, out, held, source):
     return _put_block(out, held @ w, source, dim)
-  return gather_ring(ring, x, w, out, consume)
+  with moving("x"):  # what the ring's sends carry, named in the report
+    return gather_ring(ring, x, w, out, consume)
 
 
 def _matmul_then_scatter(ring: Ring, dim: int, x, w):
+  with moving("x @ w"):
+    return _scatter_partial_sums(ring, dim, x, w)
+
+
+def _scatter_partial_sums(ring: Ring, dim: int, x, w):
   rows = x.shape[dim] // ring.size
 
   def part(operands, target):
@@ -209,13 +216,15 @@ def _with_transpose(forward, transpose):
 def _gather_then_matmul_transpose(ring: Ring, dim: int, x, w, dy):
   # dx: dy's rows, summed over the devices and scattered back to the block
   # each came from; dw: the gathered x against dy, one block at a time.
-  dx = _matmul_then_scatter(ring, dim, dy, w.T)
+  with moving("dy @ w.T"):
+    dx = _scatter_partial_sums(ring, dim, dy, w.T)
   rows = x.shape[dim]
   dtype = _accumulator_dtype(jnp.result_type(x, dy))
 
   def consume(dy, dw, held, source):
     return dw + _contract_rows(held, _block(dy, source, rows, dim), dtype)
-  dw = gather_ring(ring, x, dy, _zeros(w.shape, dtype, like=x), consume)
+  with moving("x"):
+    dw = gather_ring(ring, x, dy, _zeros(w.shape, dtype, like=x), consume)
   return dx, dw
 
 
@@ -233,7 +242,8 @@ def _matmul_then_scatter_transpose(ring: Ring, dim: int, x, w, dy):
     dx = _put_block(dx, held @ w.T, source, dim)
     dw = dw + _contract_rows(_block(x, source, rows, dim), held, dw_dtype)
     return dx, dw
-  return gather_ring(ring, dy, (x, w), state, consume)
+  with moving("dy"):
+    return gather_ring(ring, dy, (x, w), state, consume)
 
 
 _all_gather_matmul = _with_transpose(_gather_then_matmul,

@@ -29,6 +29,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import all_gather_start, program_order, psum_scatter_start
+from jax_overlap._src.patterns.leaf_scope import moving_leaf
 
 
 class ShardMapTransfer:
@@ -43,13 +44,16 @@ class ShardMapTransfer:
     self.dims = dims
 
   def _gather_starts(self, shards):
-    return jax.tree.map(lambda s, d: all_gather_start(s, self.axis, axis=d,
-                                                      tiled=True),
-                        shards, self.dims)
+    def start(path, s, d):
+      with moving_leaf(path):  # the report names the leaf (leaf_scope.py)
+        return all_gather_start(s, self.axis, axis=d, tiled=True)
+    return jax.tree_util.tree_map_with_path(start, shards, self.dims)
 
   def _scatter_starts(self, grads):
-    return jax.tree.map(lambda g, d: psum_scatter_start(
-        g, self.axis, scatter_dimension=d, tiled=True), grads, self.dims)
+    def start(path, g, d):
+      with moving_leaf(path):
+        return psum_scatter_start(g, self.axis, scatter_dimension=d, tiled=True)
+    return jax.tree_util.tree_map_with_path(start, grads, self.dims)
 
   def gather_now(self, shards):
     return _finish(self._gather_starts(shards))
