@@ -29,27 +29,35 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import all_gather_start, program_order, psum_scatter_start
+from jax_overlap._src.collectives.future import Future
 
 
 class ShardMapTransfer:
   """Futures over a mesh axis bound by the enclosing `shard_map`.
 
-  dims: a pytree like one layer's params: the dimension of each per-layer
-    leaf that is sharded over `axis`.
+  dims: one entry per leaf of one layer's params (flattened): the dimension
+    of that per-layer leaf that is sharded over `axis`, or None for a leaf
+    kept replicated: used as is, never gathered nor scattered (its gradient
+    is reduced by autodiff itself, as for any replicated shard_map input).
   """
 
   def __init__(self, axis, dims):
     self.axis = axis
-    self.dims = dims
+    self.dims = list(dims)
+
+  def _per_leaf(self, fn, tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [
+        a if d is None else fn(a, d)
+        for a, d in zip(leaves, self.dims, strict=True)])
 
   def _gather_starts(self, shards):
-    return jax.tree.map(lambda s, d: all_gather_start(s, self.axis, axis=d,
-                                                      tiled=True),
-                        shards, self.dims)
+    return self._per_leaf(lambda s, d: all_gather_start(s, self.axis, axis=d,
+                                                        tiled=True), shards)
 
   def _scatter_starts(self, grads):
-    return jax.tree.map(lambda g, d: psum_scatter_start(
-        g, self.axis, scatter_dimension=d, tiled=True), grads, self.dims)
+    return self._per_leaf(lambda g, d: psum_scatter_start(
+        g, self.axis, scatter_dimension=d, tiled=True), grads)
 
   def gather_now(self, shards):
     return _finish(self._gather_starts(shards))
@@ -125,7 +133,10 @@ class ReshardTransfer:
 
 
 def _finish(futures):
+  # Futures are found by type: a container leaf such as a flax.nnx Variable
+  # forwards attribute access to its value, so `hasattr(v, "done")` would
+  # finish the Future inside it and drop the container.
   if futures is None:
     return None
-  return jax.tree.map(lambda f: f.done(), futures,
-                      is_leaf=lambda f: hasattr(f, "done"))
+  return jax.tree.map(lambda f: f.done() if isinstance(f, Future) else f,
+                      futures, is_leaf=lambda f: isinstance(f, Future))
