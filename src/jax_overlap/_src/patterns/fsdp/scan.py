@@ -40,21 +40,35 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     the gradient back.
 
   Args:
-    layer: `layer(x, layer_params) -> x`, the same structure and types out as
-      in. It must not close over values to be differentiated (pass them in
-      `x` or `params`).
-    x: the input of the first layer (any pytree).
-    params: a pytree whose leaves are stacked along a leading layer dimension
+    layer: `layer(x, layer_params) -> x`, the same structure, shapes and
+      dtypes out as in (checked at the call). It may be a `jax.jit`-wrapped
+      function (its body is split like any other), and it may close over
+      traced values, even ones being differentiated: they are lifted into
+      explicit inputs, and their gradients flow (values computed from them
+      and the weights together are then saved like activations).
+    x: the input of the first layer (any pytree; integer, boolean and PRNG
+      key parts get float0 gradients, as in jax).
+    params: a pytree (dicts, tuples, lists, registered dataclasses, flax
+      variables) whose leaves are stacked along a leading layer dimension
       (any number of layers >= 1), each sharded over `axis` along one other
-      dimension.
+      dimension, or kept replicated (see `shard_dims`).
     axis: the mesh axis name the weights are sharded over.
     shard_dims: in shard_map only: the sharded dimension of each leaf of
       `params` (counting the layer dimension): one int for all leaves, or a
-      pytree of ints like `params`. Default 1, the first dimension after the
-      layer dimension.
+      pytree of ints like `params` (or a prefix of it), with None for a leaf
+      kept replicated: used as is, never gathered, its gradient reduced over
+      the axis by autodiff as for any replicated shard_map input (not twice).
+      Default: 1, the first dimension after the layer dimension, except for
+      a leaf whose type says it does not vary over `axis` (in_specs left it
+      replicated, e.g. `P()`), which is kept replicated; without vma tracking
+      (`shard_map(..., check_vma=False)`) that cannot be seen, so say None
+      there. On an explicit-sharding mesh a leaf whose sharding does not
+      mention `axis` is kept replicated the same way.
     unroll: how many layers each iteration of the underlying `lax.scan` runs.
-    remat_policy: a `jax.checkpoint` policy: the layer is recomputed in the
-      backward pass as it says, instead of saving all its activations.
+    remat_policy: a `jax.checkpoint` policy (a function such as
+      `jax.checkpoint_policies.nothing_saveable`, not its name): the layer
+      is recomputed in the backward pass as it says, instead of saving all
+      its activations.
 
   Returns:
     The output of the last layer. Its gradients with respect to `params` come
@@ -291,7 +305,9 @@ def _traced_layer(layer, x, transfer, shards, n_layers):
         "dtypes as its input x (it is applied layer after layer): x is "
         f"{x_tree} with {[_short(a) for a in x_avals]}, the layer "
         f"returns {out_tree[0]} with "
-        f"{[_short(a) for a in out_avals]}.")
+        f"{[_short(a) for a in out_avals]} (given params[i]: "
+        f"{_shapes(w_avals)}, of {n_layers} layers: if params hold one "
+        "layer's weights, stack them with a leading layer dimension).")
 
   consts = _compat.jaxpr_consts(closed)
   traced = [k for k, c in enumerate(consts) if isinstance(c, jax_core.Tracer)]
