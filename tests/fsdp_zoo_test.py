@@ -16,7 +16,14 @@ than the number of layers; two stacks in one step; fsdp_scan under
 in `jax.jit`. Multi-axis meshes are in fsdp_zoo_meshes_test.py.
 
 flax is a test-only dependency (pinned per jax in constraints/); its models
-are skipped where it is not installed. The whole zoo runs on every jax.
+are skipped where it is not installed.
+
+The full zoo runs on the newest jax (0.12); on older ones (0.10.2, 0.11.0)
+only the tests named in OLDER_JAX_SUBSET run (CI's budget): one case per
+defect the zoo pins (tuple/list params, every carry type with a replicated
+leaf, shard_dims None, float0 gradients, the jit layer's residuals, a
+closed-over differentiated value, flax.nnx state, flax.linen), the rest are
+skipped there with that reason.
 """
 
 from __future__ import annotations
@@ -41,6 +48,28 @@ CONTEXTS = ["shard_map",
             pytest.param("explicit", marks=pytest.mark.skipif(
                 not HAS_EXPLICIT, reason="this jax lacks AxisType.Explicit "
                 "or jax.reshard"))]
+
+OLDER_JAX_SUBSET = [
+    "test_params_as_pytrees[tuple-shard_map]",
+    "test_params_as_pytrees[list-explicit]",
+    "test_carry_of_every_type_with_a_replicated_leaf[shard_map]",
+    "test_carry_of_every_type_with_a_replicated_leaf[explicit]",
+    "test_replicated_leaf_by_shard_dims_none",
+    "test_grad_of_non_float_carry_is_float0",
+    "test_jit_wrapped_layer_saves_no_gathered_weight",
+    "test_layer_closing_over_a_differentiated_value[shard_map]",
+    "test_flax_nnx_state[shard_map]",
+    "test_flax_linen_scan_stacked[explicit]",
+]
+_NEWEST_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
+
+
+@pytest.fixture(autouse=True)
+def _subset_on_older_jax(request):
+  if not _NEWEST_JAX and request.node.name not in OLDER_JAX_SUBSET:
+    pytest.skip(f"the full zoo runs on jax 0.12 only; jax {jax.__version__} "
+                "runs OLDER_JAX_SUBSET (CI's time budget)")
+
 
 # Shapes chosen apart, so a residual of a gathered weight's shape is one.
 B, D, H = 40, 16, 24
@@ -315,7 +344,8 @@ def test_jit_wrapped_layer_saves_no_gathered_weight():
                            for a, _ in res)
   assert nbytes(jitted) == nbytes(plain), (jitted, plain)
   for aval, why in jitted:
-    assert tuple(aval.shape[-2:]) not in {(D, H), (H, D)}, (aval, why)
+    if not why.startswith("from the argument"):   # (the sharded stacks)
+      assert tuple(aval.shape[-2:]) not in {(D, H), (H, D)}, (aval, why)
 
 
 # --- a layer closing over a value being differentiated ----------------------------
