@@ -51,7 +51,7 @@ CONTEXTS = ["shard_map",
 
 OLDER_JAX_SUBSET = [
     "test_params_as_pytrees[tuple-shard_map]",
-    "test_params_as_pytrees[list-explicit]",
+    "test_params_as_pytrees[list-shard_map]",
     "test_carry_of_every_type_with_a_replicated_leaf[shard_map]",
     "test_carry_of_every_type_with_a_replicated_leaf[explicit]",
     "test_replicated_leaf_by_shard_dims_none",
