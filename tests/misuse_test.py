@@ -208,6 +208,26 @@ MISUSES = [
     ("fsdp-shard-dims-explicit", "shard_dims on an explicit-sharding mesh",
      _explicit_mesh_shard_dims, ValueError,
      r"shard_dims=\.\.\.\) is for use inside jax\.shard_map"),
+    ("fsdp-remat-policy", "remat_policy='nothing' (a name, not a policy)",
+     lambda: smap(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w, axis="i",
+                                            remat_policy="nothing"),
+                  in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     TypeError, r"fsdp_scan\(remat_policy=\.\.\.\) must be a jax\.checkpoint "
+     r"policy \(a function\) or None, got 'nothing'\. Pass the policy itself.*"
+     r"jax\.checkpoint_policies\.nothing_saveable"),
+    ("fsdp-unstacked", "one layer's weights, not stacked over layers",
+     lambda: smap(lambda x, w: jo.fsdp_scan(
+         lambda x, w: jnp.einsum("bi,io->bo", x, w), x, w, axis="i"),
+         in_specs=(P("i"), P(None, "i")))(X, jnp.ones((4, 4))),
+     ValueError, r"fsdp_scan\(layer=\.\.\., params=\.\.\.\): the layer fails on x "
+     r"and one layer's weights .*\(4 layers here\) .*params\[i\]: \. float32\[4\].*"
+     r"stack them with a leading layer dimension"),
+    ("fsdp-layer-output", "a layer whose output dtype differs from its input",
+     lambda: smap(lambda x, w: jo.fsdp_scan(
+         lambda x, w: (x @ w).astype(jnp.bfloat16), x, w, axis="i"),
+         in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     ValueError, r"fsdp_scan\(layer=\.\.\.\) must return the same structure, "
+     r"shapes and dtypes as its input x .*'float32\[4,4\].*'bfloat16\[4,4\]"),
     # --- collective matmul -------------------------------------------------------------
     ("matmul-axis", "all_gather_matmul over an unbound axis",
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "j"))(X),

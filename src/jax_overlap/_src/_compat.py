@@ -593,3 +593,19 @@ def install_cpu_order_keeper() -> bool:
   if not getattr(create, "_jax_overlap_wrapped", False):
     pxla.create_compile_options = _keep_barriers_on_cpu(create)
   return True
+
+
+# --- varying manual axes ------------------------------------------------------
+
+def varying_axes(x) -> frozenset | None:
+  """The mesh axes `x` varies over inside `shard_map` (its `vma`), or None
+  where this trace does not track them (`check_vma=False`)."""
+  from jax._src import config as _config
+  if not _config._check_vma.value:
+    return None
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)   # 0.10.2 - 0.12: aval.mat.varying
+  vma = getattr(mat, "varying", None) if mat is not None else None
+  if vma is None:
+    vma = getattr(aval, "vma", None)
+  return None if vma is None else frozenset(vma)

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.transfer import (ReshardTransfer,
@@ -39,21 +40,35 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     the gradient back.
 
   Args:
-    layer: `layer(x, layer_params) -> x`, the same structure and types out as
-      in. It must not close over values to be differentiated (pass them in
-      `x` or `params`).
-    x: the input of the first layer (any pytree).
-    params: a pytree whose leaves are stacked along a leading layer dimension
+    layer: `layer(x, layer_params) -> x`, the same structure, shapes and
+      dtypes out as in (checked at the call). It may be a `jax.jit`-wrapped
+      function (its body is split like any other), and it may close over
+      traced values, even ones being differentiated: they are lifted into
+      explicit inputs, and their gradients flow (values computed from them
+      and the weights together are then saved like activations).
+    x: the input of the first layer (any pytree; integer, boolean and PRNG
+      key parts get float0 gradients, as in jax).
+    params: a pytree (dicts, tuples, lists, registered dataclasses, flax
+      variables) whose leaves are stacked along a leading layer dimension
       (any number of layers >= 1), each sharded over `axis` along one other
-      dimension.
+      dimension, or kept replicated (see `shard_dims`).
     axis: the mesh axis name the weights are sharded over.
     shard_dims: in shard_map only: the sharded dimension of each leaf of
       `params` (counting the layer dimension): one int for all leaves, or a
-      pytree of ints like `params`. Default 1, the first dimension after the
-      layer dimension.
+      pytree of ints like `params` (or a prefix of it), with None for a leaf
+      kept replicated: used as is, never gathered, its gradient reduced over
+      the axis by autodiff as for any replicated shard_map input (not twice).
+      Default: 1, the first dimension after the layer dimension, except for
+      a leaf whose type says it does not vary over `axis` (in_specs left it
+      replicated, e.g. `P()`), which is kept replicated; without vma tracking
+      (`shard_map(..., check_vma=False)`) that cannot be seen, so say None
+      there. On an explicit-sharding mesh a leaf whose sharding does not
+      mention `axis` is kept replicated the same way.
     unroll: how many layers each iteration of the underlying `lax.scan` runs.
-    remat_policy: a `jax.checkpoint` policy: the layer is recomputed in the
-      backward pass as it says, instead of saving all its activations.
+    remat_policy: a `jax.checkpoint` policy (a function such as
+      `jax.checkpoint_policies.nothing_saveable`, not its name): the layer
+      is recomputed in the backward pass as it says, instead of saving all
+      its activations.
 
   Returns:
     The output of the last layer. Its gradients with respect to `params` come
@@ -81,15 +96,29 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
                     f"layer(x, layer_params) -> x, got {layer!r}.")
   if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
     raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1, got {unroll!r}.")
+  _check_remat_policy(remat_policy)
   n_layers = _n_layers(params)
   transfer = _transfer(axis, params, shard_dims)
   if isinstance(transfer, ReshardTransfer):
     transfer.reduced = transfer.reducible_leaves(layer, x, _layer(params, 0))
+  layer, hoisted = _traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
+  if hoisted:
+    # The layer closed over traced values (perhaps being differentiated):
+    # they ride along in the carry, so their gradients flow like x's.
+    y, _ = _fsdp_scan(layer, (x, hoisted), params, n_layers, transfer,
+                      unroll, remat_policy)
+    return y
+  return _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy)
+
+
+def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
+  x_avals = []   # x's types as one layer sees them (for the backward's trace)
 
   def forward(x, params, save: bool):
     def run_layer(x, w):
       if not save:
         return layer(x, w), None
+      x_avals[:] = [jax.tree.map(jax.typeof, x)]
       return _layer_forward(layer, remat_policy, x, w)
 
     def body(carry, i):   # i: the layer whose weights to prefetch
@@ -115,8 +144,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   def run_bwd(residuals, y_bar):
     # `saved` holds the pullbacks of layers 0 .. n-2, `saved_last` layer n-1's.
     (saved, saved_last), params = residuals
-    backward = lambda pullback, w, y_bar: _layer_backward(layer, pullback, w,
-                                                          y_bar)
+    backward = lambda pullback, w, y_bar: _layer_backward(
+        layer, pullback, w, x_avals[0], y_bar)
     grads = jax.tree.map(jnp.zeros_like, params)
     put = lambda grads, g, i: jax.tree.map(
         lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0), grads, g)
@@ -192,10 +221,14 @@ def _layer_forward(layer, remat_policy, x, w):
   return y, jax.tree.unflatten(tree, leaves)
 
 
-def _layer_backward(layer, pullback, w, y_bar):
+def _layer_backward(layer, pullback, w, x_avals, y_bar):
   """x's cotangent and the full weights' gradient, from a saved pullback
-  (which already recomputes what the remat policy did not save)."""
-  split = split_by_weights(layer, y_bar, w)
+  (which already recomputes what the remat policy did not save).
+
+  The layer is traced again on x's own types, not on the cotangent's: an
+  integer, boolean or PRNG-key part of x has a float0 cotangent, which the
+  layer could not index, compare or split with."""
+  split = split_by_weights(layer, x_avals, w)
   frontier, prep_pullback = jax.vjp(split.prep, w)
   leaves, tree = jax.tree.flatten(pullback,
                                   is_leaf=lambda v: isinstance(v, _Slot))
@@ -206,6 +239,93 @@ def _layer_backward(layer, pullback, w, y_bar):
 
 
 # --- arguments ---------------------------------------------------------------------------
+
+def _check_remat_policy(policy):
+  if policy is None or callable(policy):
+    return
+  hint = ""
+  if isinstance(policy, str):
+    names = sorted(n for n in dir(jax.checkpoint_policies)
+                   if n.endswith("saveable") and not n.startswith("_"))
+    hint = (" Pass the policy itself, not its name: one of "
+            + ", ".join(f"jax.checkpoint_policies.{n}" for n in names) + ".")
+  raise TypeError(
+      f"fsdp_scan(remat_policy=...) must be a jax.checkpoint policy (a "
+      f"function) or None, got {policy!r}.{hint}")
+
+
+def _short(v) -> str:
+  aval = v if isinstance(v, jax_core.AbstractValue) else jax.typeof(v)
+  return aval.str_short() if hasattr(aval, "str_short") else str(aval)
+
+
+def _shapes(tree) -> str:
+  return ", ".join(f"{jax.tree_util.keystr(k) or '.'} {_short(v)}"
+                   for k, v in jax.tree_util.tree_leaves_with_path(tree))
+
+
+def _traced_layer(layer, x, transfer, shards, n_layers):
+  """Traces `layer` once on x and one gathered layer's weights: checks that
+  it accepts them and returns x's structure and types, and lifts the traced
+  values it closes over. Returns `(layer, hoisted)`: with `hoisted` empty the
+  user's layer as it is; else `layer((x, hoisted), w) -> (y, hoisted)`."""
+  w_avals = jax.make_jaxpr(transfer.gather_now)(shards).out_avals
+  w_avals = jax.tree.unflatten(jax.tree.structure(shards), w_avals)
+  x_leaves, x_tree = jax.tree.flatten(x)
+  w_tree = jax.tree.structure(shards)
+  n_x = len(x_leaves)
+  out_tree = []
+
+  def flat(*leaves):
+    out = layer(jax.tree.unflatten(x_tree, leaves[:n_x]),
+                jax.tree.unflatten(w_tree, leaves[n_x:]))
+    out_leaves, tree = jax.tree.flatten(out)
+    out_tree.append(tree)
+    return out_leaves
+
+  x_avals = [jax.typeof(v) for v in x_leaves]
+  try:
+    closed = jax.make_jaxpr(flat)(*x_avals, *jax.tree.leaves(w_avals))
+  except Exception as e:  # noqa: BLE001 - re-raised with what fsdp_scan gave it
+    raise ValueError(
+        f"fsdp_scan(layer=..., params=...): the layer fails on x and one "
+        f"layer's weights ({type(e).__name__}: {e}). fsdp_scan reads the "
+        f"leading dimension of every leaf of params as the layer dimension "
+        f"({n_layers} layers here) and calls layer(x, params[i]) with "
+        f"x: {_shapes(x)} and params[i]: {_shapes(w_avals)}. If params hold "
+        "one layer's weights, stack them with a leading layer dimension "
+        "(e.g. jax.tree.map(lambda a: a[None], params)).") from e
+  out_avals = list(closed.out_avals)
+  same = out_tree[0] == x_tree and all(
+      a.shape == b.shape and a.dtype == b.dtype
+      for a, b in zip(out_avals, x_avals))
+  if not same:
+    raise ValueError(
+        "fsdp_scan(layer=...) must return the same structure, shapes and "
+        "dtypes as its input x (it is applied layer after layer): x is "
+        f"{x_tree} with {[_short(a) for a in x_avals]}, the layer "
+        f"returns {out_tree[0]} with "
+        f"{[_short(a) for a in out_avals]} (given params[i]: "
+        f"{_shapes(w_avals)}, of {n_layers} layers: if params hold one "
+        "layer's weights, stack them with a leading layer dimension).")
+
+  consts = _compat.jaxpr_consts(closed)
+  traced = [k for k, c in enumerate(consts) if isinstance(c, jax_core.Tracer)]
+  if not traced:
+    return layer, []
+  jaxpr = _compat.open_jaxpr(closed)
+
+  def lifted(carry, w):
+    x, hoisted = carry
+    values = list(consts)
+    for k, h in zip(traced, hoisted, strict=True):
+      values[k] = h
+    out = jax_core.eval_jaxpr(jaxpr, values, *jax.tree.leaves(x),
+                             *jax.tree.leaves(w))
+    return jax.tree.unflatten(x_tree, out), hoisted
+  return lifted, [consts[k] for k in traced]
+
+
 
 def _n_layers(params) -> int:
   leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -234,32 +354,51 @@ def _n_layers(params) -> int:
 def _transfer(axis, params, shard_dims):
   bound = _compat.bound_axis_names()
   if bound is not None and axis in bound:
-    return ShardMapTransfer(axis, _local_dims(params, shard_dims))
+    return ShardMapTransfer(axis, _local_dims(params, shard_dims, axis))
   return ReshardTransfer(axis, _explicit_specs(axis, params, shard_dims))
 
 
-def _local_dims(params, shard_dims):
-  """Per-layer sharded dimension of each leaf, inside shard_map."""
-  dims = 1 if shard_dims is None else shard_dims
-  if isinstance(dims, int):
-    dims = jax.tree.map(lambda _: dims, params)
-  try:
-    pairs = jax.tree.map(lambda d, p: (d, p), dims, params)
-  except ValueError:
-    raise ValueError(
-        "fsdp_scan(shard_dims=...) must be one int or a pytree of ints shaped "
-        f"like params; got {shard_dims!r} for params of structure "
-        f"{jax.tree.structure(params)}.") from None
+def _local_dims(params, shard_dims, axis):
+  """Per-layer sharded dimension of each leaf of `params` (flattened) inside
+  shard_map; None for a leaf kept replicated over `axis`."""
+  leaves = jax.tree.leaves(params)
+  if shard_dims is None:
+    # A leaf whose type says it does not vary over `axis` (shard_map's
+    # in_specs left it replicated, e.g. P()) is used as is; where this trace
+    # does not track varying axes (check_vma=False), every leaf is gathered
+    # along dimension 1 unless shard_dims says otherwise.
+    def default(p):
+      vma = _compat.varying_axes(p)
+      return None if vma is not None and axis not in vma else 1
+    dims = [default(p) for p in leaves]
+  elif isinstance(shard_dims, int) and not isinstance(shard_dims, bool):
+    dims = [shard_dims] * len(leaves)
+  else:
+    # A pytree of ints (or None) shaped like params, or a prefix of it.
+    is_none = lambda d: d is None
+    try:
+      subtrees = jax.tree.structure(shard_dims, is_leaf=is_none).flatten_up_to(
+          params)
+    except (ValueError, TypeError):
+      raise ValueError(
+          "fsdp_scan(shard_dims=...) must be one int or a pytree of ints "
+          "shaped like params (None for a leaf kept replicated); got "
+          f"{shard_dims!r} for params of structure "
+          f"{jax.tree.structure(params)}.") from None
+    dims = [d for d, sub in zip(jax.tree.leaves(shard_dims, is_leaf=is_none),
+                                subtrees)
+            for _ in jax.tree.leaves(sub)]
 
-  def check(pair):
-    d, p = pair
+  def check(d, p):
+    if d is None:
+      return None
     if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < jnp.ndim(p):
       raise ValueError(
           f"fsdp_scan(shard_dims=...): {d!r} is not a dimension after the "
           f"layer dimension of a leaf of shape {jnp.shape(p)} (give 1 to "
-          f"{jnp.ndim(p) - 1}).")
+          f"{jnp.ndim(p) - 1}, or None for a leaf kept replicated).")
     return d - 1
-  return jax.tree.map(check, pairs, is_leaf=lambda v: isinstance(v, tuple))
+  return [check(d, p) for d, p in zip(dims, leaves, strict=True)]
 
 
 def _explicit_specs(axis, params, shard_dims):
@@ -284,7 +423,7 @@ def _explicit_specs(axis, params, shard_dims):
     entries = tuple(spec) + (None,) * (jnp.ndim(p) - len(spec))
     over = [i for i, e in enumerate(entries)
             if e == axis or (isinstance(e, tuple) and axis in e)]
-    if len(over) != 1 or over[0] == 0:
+    if len(over) > 1 or over == [0]:   # none: kept replicated, used as is
       raise ValueError(
           f"fsdp_scan: leaf {where} has sharding spec {spec}; it must be "
           f"sharded over {axis!r} along exactly one dimension after the layer "

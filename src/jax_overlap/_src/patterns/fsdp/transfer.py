@@ -29,31 +29,42 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import all_gather_start, program_order, psum_scatter_start
+from jax_overlap._src.collectives.future import Future
 from jax_overlap._src.patterns.leaf_scope import moving_leaf
 
 
 class ShardMapTransfer:
   """Futures over a mesh axis bound by the enclosing `shard_map`.
 
-  dims: a pytree like one layer's params: the dimension of each per-layer
-    leaf that is sharded over `axis`.
+  dims: one entry per leaf of one layer's params (flattened): the dimension
+    of that per-layer leaf that is sharded over `axis`, or None for a leaf
+    kept replicated: used as is, never gathered nor scattered (its gradient
+    is reduced by autodiff itself, as for any replicated shard_map input).
   """
 
   def __init__(self, axis, dims):
     self.axis = axis
-    self.dims = dims
+    self.dims = list(dims)
+
+  def _per_leaf(self, fn, tree):
+    """`fn(path, leaf, dim)` on each leaf with a dim; a None dim (a
+    replicated leaf) leaves the leaf as it is."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree.unflatten(treedef, [
+        a if d is None else fn(path, a, d)
+        for (path, a), d in zip(leaves, self.dims, strict=True)])
 
   def _gather_starts(self, shards):
     def start(path, s, d):
       with moving_leaf(path):  # the report names the leaf (leaf_scope.py)
         return all_gather_start(s, self.axis, axis=d, tiled=True)
-    return jax.tree_util.tree_map_with_path(start, shards, self.dims)
+    return self._per_leaf(start, shards)
 
   def _scatter_starts(self, grads):
     def start(path, g, d):
       with moving_leaf(path):
         return psum_scatter_start(g, self.axis, scatter_dimension=d, tiled=True)
-    return jax.tree_util.tree_map_with_path(start, grads, self.dims)
+    return self._per_leaf(start, grads)
 
   def gather_now(self, shards):
     return _finish(self._gather_starts(shards))
@@ -129,7 +140,10 @@ class ReshardTransfer:
 
 
 def _finish(futures):
+  # Futures are found by type: a container leaf such as a flax.nnx Variable
+  # forwards attribute access to its value, so `hasattr(v, "done")` would
+  # finish the Future inside it and drop the container.
   if futures is None:
     return None
-  return jax.tree.map(lambda f: f.done(), futures,
-                      is_leaf=lambda f: hasattr(f, "done"))
+  return jax.tree.map(lambda f: f.done() if isinstance(f, Future) else f,
+                      futures, is_leaf=lambda f: isinstance(f, Future))
