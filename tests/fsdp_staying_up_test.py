@@ -81,7 +81,7 @@ def test_fsdp_scan_trains_24_layers_30_steps_without_abort_or_hang():
   env.pop("XLA_FLAGS", None)
   try:
     proc = subprocess.run([sys.executable, "-c", PROGRAM], env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=420)
   except subprocess.TimeoutExpired as e:
     tail = (e.stderr or b"")[-3000:]
     tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
