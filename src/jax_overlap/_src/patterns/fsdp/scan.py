@@ -128,8 +128,8 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
       return (x, w_next), saved
 
     first = transfer.gather_now(_layer(params, 0))
-    (x, w_last), saved = lax.scan(body, (x, first), jnp.arange(1, n_layers),
-                                  unroll=unroll)
+    (x, w_last), saved = _scan_remainder_first(
+        body, (x, first), jnp.arange(1, n_layers), unroll)
     (x, saved_last), _, _ = transfer.step(lambda: run_layer(x, w_last))
     return x, (saved, saved_last)
 
@@ -166,9 +166,9 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
           gather=_layer(params, i - 1), scatter=pending)
       return (x_bar, w_prev, g, put(grads, done, i + 1)), None
 
-    (x_bar, w, pending, grads), _ = lax.scan(
+    (x_bar, w, pending, grads), _ = _scan_remainder_first(
         body, (x_bar, w, pending, grads), jnp.arange(n_layers - 2, 0, -1),
-        unroll=unroll)
+        unroll)
     (x_bar, g0), _, g1 = transfer.step(
         lambda: backward(_layer(saved, 0), w, x_bar), scatter=pending)
     grads = put(put(grads, g1, 1), transfer.scatter_now(g0), 0)
@@ -176,6 +176,32 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
 
   run.defvjp(run_fwd, run_bwd)
   return run(x, params)
+
+
+def _scan_remainder_first(body, carry, xs, unroll: int):
+  """`lax.scan(body, carry, xs, unroll=unroll)`, with the `len(xs) % unroll`
+  iterations that do not fill a loop trip run first, unrolled, not after the
+  loop as lax.scan runs them.
+
+  Why: XLA's CPU runtime starts a collective that follows a while loop as
+  soon as the loop has started, when the collective's operands do not come
+  from the loop (our barriers order it in the HLO schedule, but the runtime
+  drops barriers), and jax gives every collective the same channel id, which
+  keys the rendezvous. The remainder's gathers read only the params, so they
+  met the loop's gathers in one rendezvous: the process aborted ("Check
+  failed: id < num_threads"), hung, or crashed. Collectives before a loop
+  have finished when it starts. See benchmarks/repro_cpu_loop_collectives.py.
+  """
+  length = jax.tree.leaves(xs)[0].shape[0]
+  head = length % unroll
+  if not head:
+    return lax.scan(body, carry, xs, unroll=unroll)
+  split = lambda lo, hi: jax.tree.map(lambda a: a[lo:hi], xs)
+  carry, ys_head = lax.scan(body, carry, split(0, head), unroll=True)
+  if head == length:
+    return carry, ys_head
+  carry, ys = lax.scan(body, carry, split(head, length), unroll=unroll)
+  return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys_head, ys)
 
 
 # --- one layer, forward and backward -------------------------------------------------
