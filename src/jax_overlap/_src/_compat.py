@@ -164,19 +164,24 @@ def new_token():
 _has_inline_enum = hasattr(jax, "Inline") and hasattr(jax.Inline, "XLA_LATE")
 
 
-def call_after_token(fn: Callable[[], list[Any]], token) -> list[Any]:
-  """Runs nullary `fn` so that XLA sees it depend on `token`.
+def call_after_token(fn: Callable[..., list[Any]], token,
+                     operands: Sequence[Any] = ()) -> list[Any]:
+  """Runs `fn(*operands)` so that XLA sees it depend on `token`.
 
   The call stays a function until XLA's late inlining, after the scheduling
   decisions that would otherwise hoist an input-free op above the barrier.
+  `operands` (an equation's literals) are arguments of the call, made in the
+  caller: a constant inside a late-inlined call is cloned by the inliner with
+  its `inlineable` attribute and control edges, and XLA's CSE then aborts the
+  compile ("cannot remove instruction %constant...clone") on TPU and GPU.
   """
-  def after_token(_token):
-    return fn()
+  def after_token(_token, *operands):
+    return fn(*operands)
   if _has_inline_enum:
-    return list(jax.jit(after_token, inline=jax.Inline.XLA_LATE)(token))
+    return list(jax.jit(after_token, inline=jax.Inline.XLA_LATE)(token, *operands))
   # Older jax has no `jax.Inline`: stage the call ourselves.
-  traced = jax.jit(after_token).trace(token)
-  return list(_late_call_p.bind(token, call_jaxpr=traced.jaxpr))
+  traced = jax.jit(after_token).trace(token, *operands)
+  return list(_late_call_p.bind(token, *operands, call_jaxpr=traced.jaxpr))
 
 
 _late_call_p = core.Primitive("late_inlined_call")
