@@ -541,3 +541,72 @@ def install_cpu_order_keeper() -> bool:
   if not getattr(create, "_jax_overlap_wrapped", False):
     pxla.create_compile_options = _keep_barriers_on_cpu(create)
   return True
+
+
+# --- per-module compile options ---------------------------------------------------
+
+def async_collective_starts(computation) -> dict[str, int]:
+  """Kind ("all-gather", ...) -> how many async collective starts the MLIR
+  module holds: `custom_call @"X-start"` on jax >= 0.12, `async_start`
+  around the collective before."""
+  counts: dict[str, int] = {}
+
+  def visit(op):
+    name = op.name
+    kind = None
+    if name == "stablehlo.custom_call":
+      try:
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+      except (KeyError, ValueError):
+        target = ""
+      if target.endswith("-start"):
+        kind = target[: -len("-start")]
+    elif name == "stablehlo.async_start":
+      kind = "async"
+    if kind:
+      counts[kind] = counts.get(kind, 0) + 1
+    return ir.WalkResult.ADVANCE
+  try:
+    computation.operation.walk(visit)
+  except AttributeError:  # not an MLIR module (e.g. a serialized one)
+    return {}
+  return counts
+
+
+_COMPILE_OPTIONS_HOOKS: list[Callable] = []
+
+
+def _with_option_hooks(create: Callable) -> Callable:
+  """Wraps jax's `create_compile_options` so that each hook
+  `hook(computation, platform, user_options) -> dict` may add XLA options to
+  a compile (merged with the user's `compiler_options`, which win)."""
+  signature = inspect.signature(create)
+
+  @functools.wraps(create)
+  def create_compile_options(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    computation = bound.arguments.get("computation")
+    platform = getattr(bound.arguments.get("backend"), "platform", None)
+    user_options = dict(bound.arguments.get("compiler_options") or {})
+    added: dict[str, Any] = {}
+    for hook in _COMPILE_OPTIONS_HOOKS:
+      added.update(hook(computation, platform, user_options))
+    if not added:
+      return create(*args, **kwargs)
+    bound.arguments["compiler_options"] = {**added, **user_options}
+    return create(*bound.args, **bound.kwargs)
+
+  create_compile_options._jax_overlap_option_hooks = True  # type: ignore[attr-defined]
+  return create_compile_options
+
+
+def add_compile_options_hook(hook: Callable) -> bool:
+  """Adds `hook` (see `_with_option_hooks`); False where this jax has no
+  `create_compile_options` to wrap (then compiles get no added options)."""
+  create = getattr(pxla, "create_compile_options", None)
+  if create is None or "compiler_options" not in inspect.signature(create).parameters:
+    return False
+  if not getattr(create, "_jax_overlap_option_hooks", False):
+    pxla.create_compile_options = _with_option_hooks(create)
+  _COMPILE_OPTIONS_HOOKS.append(hook)
+  return True
