@@ -26,7 +26,7 @@ import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
 
-pytestmark = pytest.mark.skipif(
+needs_pairs = pytest.mark.skipif(
     not _compat.ASYNC_CUSTOM_CALLS,
     reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU")
 
@@ -153,6 +153,7 @@ _HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
              "ppermute": "collective-permute"}
 
 
+@needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100", "gpu_a100"])
 @pytest.mark.parametrize("kind", FUTURES)
 def test_future_is_an_async_pair_around_the_matmul(name, kind):
@@ -167,6 +168,7 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
   assert not warned, warned
 
 
+@needs_pairs
 @pytest.mark.parametrize("kind", ["psum_scatter", "all_to_all"])
 def test_the_async_pair_still_crashes_libtpu(kind):
   # Why these futures are lowered synchronously on TPU: the async pair under
@@ -185,6 +187,7 @@ def test_the_async_pair_still_crashes_libtpu(kind):
 
 # --- fsdp_scan -------------------------------------------------------------------
 
+@needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100", "gpu_a100"])
 def test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one(name):
   text, warned = _compiled(name, "fsdp", False)
@@ -194,6 +197,7 @@ def test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one(name):
   assert not warned, warned
 
 
+@needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
 def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
   text, warned = _compiled(name, "fsdp", True)
@@ -212,6 +216,7 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
     assert sum(w.matmuls >= 1 for w in scatters) >= (LAYERS - 1) * WEIGHTS, scatters
 
 
+@needs_pairs
 def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
   # Premise of the option the library adds (ordering/compile_options.py):
   # with XLA's own limit of one collective in flight, the H100 compile fails.
@@ -224,6 +229,7 @@ def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
 
 # --- collective matmul ---------------------------------------------------------
 
+@needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
 @pytest.mark.parametrize("which", ["all_gather_matmul", "matmul_reduce_scatter"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
