@@ -7,6 +7,7 @@
 #   make demo          `jax-overlap demo` on the newest jax (DEMO_ARGS: e.g. --steps 50)
 #   make bench         benchmarks/bench.py on every supported jax
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
+#   make test-aot      tests/aot/ (the real TPU and GPU compilers, ahead of time) in .venv-aot
 #   make venvs         create/refresh every venv without testing
 #   make clean         remove the venvs and build leftovers
 #
@@ -86,6 +87,27 @@ bench-jax$(1): $(call stamp,$(1))
 endef
 $(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
 
+# --- the real TPU and GPU compilers, ahead of time ---------------------------------
+# .venv-aot: jax 0.12.0.1 plus libtpu and the CUDA compile wheels (the `aot` extra, about
+# 1.2 GB), kept apart from .venv-jax0.12.0.1 so the main suite never loads a plugin.
+# tests/aot/ compiles for TPU v5e / v5p and GPU H100 / A100 without any accelerator.
+AOT_VENV := .venv-aot
+AOT_PINS := constraints/jax-0.12.0.1.txt constraints/aot-jax-0.12.0.1.txt
+
+$(AOT_VENV)/.installed: pyproject.toml $(AOT_PINS)
+	@if [ -z "$(PY312)" ]; then \
+	  echo "error: no Python >= 3.12 for $(AOT_VENV) (jax 0.12.0.1 needs it); pass PY312=/path/to/python3.12." >&2; \
+	  exit 1; fi
+	@echo "--- $(@D): jax 0.12.0.1 + the aot extra on $(PY312)"
+	@test -x $(@D)/bin/python || $(PY312) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q $(foreach c,$(AOT_PINS),-c $(c)) -e '.[test,aot]'
+	@touch $@
+
+.PHONY: test-aot
+test-aot: $(AOT_VENV)/.installed
+	$(AOT_VENV)/bin/python -m pytest -q tests/aot $(PYTEST_ARGS)
+
 # --- fuzzing --------------------------------------------------------------------
 # `make test` runs tests/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
 # new random programs per fuzz test (hypothesis prints how to reproduce a failure). Each
@@ -122,7 +144,7 @@ endif
 # --- misc ---------------------------------------------------------------------
 .PHONY: clean print-%
 clean:
-	rm -rf $(foreach v,$(JAX_VERSIONS),$(call venv,$(v))) build dist src/*.egg-info
+	rm -rf $(foreach v,$(JAX_VERSIONS),$(call venv,$(v))) $(AOT_VENV) build dist src/*.egg-info
 
 # `make -s print-PY312` prints a variable (used by .ci/run).
 print-%:

@@ -6,6 +6,7 @@ from jax_overlap._src.collectives.api import ppermute_start as ppermute_start
 from jax_overlap._src.collectives.api import psum_scatter_start as psum_scatter_start
 from jax_overlap._src.collectives.api import psum_start as psum_start
 from jax_overlap._src.collectives.future import Future as Future
+from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning as CollectiveNotAsyncWarning
 from jax_overlap._src.collectives.future import FutureNotFinishedWarning as FutureNotFinishedWarning
 from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning

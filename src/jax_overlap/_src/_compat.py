@@ -208,19 +208,24 @@ def new_token():
 _has_inline_enum = hasattr(jax, "Inline") and hasattr(jax.Inline, "XLA_LATE")
 
 
-def call_after_token(fn: Callable[[], list[Any]], token) -> list[Any]:
-  """Runs nullary `fn` so that XLA sees it depend on `token`.
+def call_after_token(fn: Callable[..., list[Any]], token,
+                     operands: Sequence[Any] = ()) -> list[Any]:
+  """Runs `fn(*operands)` so that XLA sees it depend on `token`.
 
   The call stays a function until XLA's late inlining, after the scheduling
   decisions that would otherwise hoist an input-free op above the barrier.
+  `operands` (an equation's literals) are arguments of the call, made in the
+  caller: a constant inside a late-inlined call is cloned by the inliner with
+  its `inlineable` attribute and control edges, and XLA's CSE then aborts the
+  compile ("cannot remove instruction %constant...clone") on TPU and GPU.
   """
-  def after_token(_token):
-    return fn()
+  def after_token(_token, *operands):
+    return fn(*operands)
   if _has_inline_enum:
-    return list(jax.jit(after_token, inline=jax.Inline.XLA_LATE)(token))
+    return list(jax.jit(after_token, inline=jax.Inline.XLA_LATE)(token, *operands))
   # Older jax has no `jax.Inline`: stage the call ourselves.
-  traced = jax.jit(after_token).trace(token)
-  return list(_late_call_p.bind(token, call_jaxpr=traced.jaxpr))
+  traced = jax.jit(after_token).trace(token, *operands)
+  return list(_late_call_p.bind(token, *operands, call_jaxpr=traced.jaxpr))
 
 
 _late_call_p = core.Primitive("late_inlined_call")
@@ -609,3 +614,72 @@ def varying_axes(x) -> frozenset | None:
   if vma is None:
     vma = getattr(aval, "vma", None)
   return None if vma is None else frozenset(vma)
+
+
+# --- per-module compile options ---------------------------------------------------
+
+def async_collective_starts(computation) -> dict[str, int]:
+  """Kind ("all-gather", ...) -> how many async collective starts the MLIR
+  module holds: `custom_call @"X-start"` on jax >= 0.12, `async_start`
+  around the collective before."""
+  counts: dict[str, int] = {}
+
+  def visit(op):
+    name = op.name
+    kind = None
+    if name == "stablehlo.custom_call":
+      try:
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+      except (KeyError, ValueError):
+        target = ""
+      if target.endswith("-start"):
+        kind = target[: -len("-start")]
+    elif name == "stablehlo.async_start":
+      kind = "async"
+    if kind:
+      counts[kind] = counts.get(kind, 0) + 1
+    return ir.WalkResult.ADVANCE
+  try:
+    computation.operation.walk(visit)
+  except AttributeError:  # not an MLIR module (e.g. a serialized one)
+    return {}
+  return counts
+
+
+_COMPILE_OPTIONS_HOOKS: list[Callable] = []
+
+
+def _with_option_hooks(create: Callable) -> Callable:
+  """Wraps jax's `create_compile_options` so that each hook
+  `hook(computation, platform, user_options) -> dict` may add XLA options to
+  a compile (merged with the user's `compiler_options`, which win)."""
+  signature = inspect.signature(create)
+
+  @functools.wraps(create)
+  def create_compile_options(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    computation = bound.arguments.get("computation")
+    platform = getattr(bound.arguments.get("backend"), "platform", None)
+    user_options = dict(bound.arguments.get("compiler_options") or {})
+    added: dict[str, Any] = {}
+    for hook in _COMPILE_OPTIONS_HOOKS:
+      added.update(hook(computation, platform, user_options))
+    if not added:
+      return create(*args, **kwargs)
+    bound.arguments["compiler_options"] = {**added, **user_options}
+    return create(*bound.args, **bound.kwargs)
+
+  create_compile_options._jax_overlap_option_hooks = True  # type: ignore[attr-defined]
+  return create_compile_options
+
+
+def add_compile_options_hook(hook: Callable) -> bool:
+  """Adds `hook` (see `_with_option_hooks`); False where this jax has no
+  `create_compile_options` to wrap (then compiles get no added options)."""
+  create = getattr(pxla, "create_compile_options", None)
+  if create is None or "compiler_options" not in inspect.signature(create).parameters:
+    return False
+  if not getattr(create, "_jax_overlap_option_hooks", False):
+    pxla.create_compile_options = _with_option_hooks(create)
+  _COMPILE_OPTIONS_HOOKS.append(hook)
+  return True

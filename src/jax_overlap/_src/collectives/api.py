@@ -13,6 +13,7 @@ from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - registers rules
 from jax_overlap._src.collectives.comm import Comm, trace_sync
+from jax_overlap._src.ordering import compile_options as _compile_options  # noqa: F401 - installs its hook
 from jax_overlap._src.collectives.future import Future, FutureState, user_frame
 from jax_overlap._src.collectives.misuse import check_axis_name, check_perm
 from jax_overlap._src.collectives.primitives import finish, start

@@ -58,8 +58,10 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     elif all(literal):
       token = _compat.new_token()
       *prev_vals, token = _compat.barrier([*prev_vals, token])
+      # The literals go in as the call's operands, so the late-inlined call
+      # holds no constant (see `_compat.call_after_token`).
       outs = _compat.call_after_token(
-          lambda eqn=eqn, invals=invals: _compat.bind_eqn(eqn, invals), token)
+          lambda *vals, eqn=eqn: _compat.bind_eqn(eqn, vals), token, invals)
     elif is_free_block(eqn) or eqn.primitive is jit_p:
       fenced = [not lit for lit in literal]
       if is_free_block(eqn):

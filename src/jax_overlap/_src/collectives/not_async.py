@@ -1,0 +1,64 @@
+"""Saying so when a collective the user wanted in flight compiles synchronous.
+
+Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
+
+* a future the backend cannot compile as an async pair, which the library
+  lowers synchronously instead (values unchanged, nothing in flight): on TPU
+  (libtpu 0.0.52) `psum_scatter_start` (an async reduce-scatter under
+  `program_order` crashes the compiler), `psum_start` (all-reduce-start is
+  synchronous, or "not implemented" with the async flags) and
+  `all_to_all_start` (SIGSEGV in the compiler, rank 2 and 3 alike);
+* a plain synchronous collective (`jax.lax.all_gather`, `psum`, ...) inside
+  an ordered block compiled for TPU or GPU: the fences keep it synchronous
+  where XLA left to itself would have made it async. Use its `*_start`
+  future, with the work to overlap written between start and `done()`.
+
+Silence it with
+`warnings.filterwarnings("ignore", category=jax_overlap.CollectiveNotAsyncWarning)`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+_warned: set[str] = set()
+
+
+class CollectiveNotAsyncWarning(UserWarning):
+  """A collective compiles synchronous where the program asked for overlap.
+
+  Silence it with `warnings.filterwarnings("ignore",
+  category=jax_overlap.CollectiveNotAsyncWarning)`.
+  """
+
+
+def warn_once(key: str, message: str) -> None:
+  if key in _warned:
+    return
+  _warned.add(key)
+  warnings.warn(message, CollectiveNotAsyncWarning, stacklevel=3)
+
+
+_FUTURE_OF = {"reduce-scatter": "psum_scatter_start", "all-reduce": "psum_start",
+              "all-to-all": "all_to_all_start"}
+
+
+def warn_future_lowered_sync(platform: str, name: str, why: str) -> None:
+  future = _FUTURE_OF.get(name, name)
+  warn_once(f"future:{platform}:{name}", (
+      f"{future} on {platform}: {why}; jax_overlap lowers it as a synchronous "
+      f"collective there (values unchanged, nothing in flight between start "
+      f"and done()). Silence with warnings.filterwarnings('ignore', "
+      f"category=jax_overlap.CollectiveNotAsyncWarning)."))
+
+
+def warn_fenced_sync_collective(platform: str, op_names: list[str]) -> None:
+  ops = ", ".join(sorted(set(op_names)))
+  warn_once(f"fenced:{platform}:{ops}", (
+      f"program_order: a synchronous collective ({ops}) inside an ordered "
+      f"block, compiled for {platform}: the fences keep it synchronous, where "
+      f"XLA by itself may have made it async and overlapped it. To overlap it, "
+      f"use its future (all_gather_start, psum_start, psum_scatter_start, "
+      f"all_to_all_start, ppermute_start) and write the work to overlap between "
+      f"the start and done(). Silence with warnings.filterwarnings('ignore', "
+      f"category=jax_overlap.CollectiveNotAsyncWarning)."))

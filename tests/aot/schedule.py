@@ -1,0 +1,164 @@
+"""Reading a scheduled module (`compile().as_text()`) of the TPU or GPU compiler.
+
+Each scheduled computation lists its instructions in schedule order. An async
+collective is a `X-start` and, later, the `X-done` that depends on it (on TPU
+possibly through `async-collective` continuation fusions); its window is what
+is scheduled between them. A matmul is an instruction whose metadata names a
+`dot_general` (GPU: a gemm fusion or cuBLAS call; TPU: a convolution fusion).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\b([a-z][a-z0-9\-]*)\((.*)$")
+
+
+class Instr(NamedTuple):
+  name: str
+  opcode: str
+  operands: tuple[str, ...]
+  line: str
+
+  @property
+  def is_matmul(self) -> bool:
+    return bool(re.search(r'op_name="[^"]*dot_general', self.line))
+
+
+def computations(text: str) -> dict[str, list[Instr]]:
+  """Computation name -> its instructions in order ("ENTRY" for the entry)."""
+  comps: dict[str, list[Instr]] = {}
+  current = None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = "ENTRY" if header.group(1) else header.group(2)
+      comps[current] = []
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    m = _INSTR.match(line) if current else None
+    if m:
+      args = m.group(3).split(")", 1)[0]
+      comps[current].append(Instr(m.group(1), m.group(2),
+                                  tuple(re.findall(r"%([\w.\-]+)", args)), line))
+  return comps
+
+
+def scheduled(text: str) -> dict[str, list[Instr]]:
+  """The computations that carry a schedule: the entry and while bodies."""
+  comps = computations(text)
+  bodies = set(re.findall(r"\bbody=%([\w.\-]+)", text))
+  return {k: v for k, v in comps.items() if k == "ENTRY" or k in bodies}
+
+
+class Window(NamedTuple):
+  kind: str               # e.g. "all-gather", "collective-permute"
+  computation: str
+  start: int              # index of the start in its computation
+  done: int               # index of the done
+  between: tuple[Instr, ...]
+
+  @property
+  def matmuls(self) -> int:
+    return sum(i.is_matmul for i in self.between)
+
+
+def _kind(instr: Instr) -> str:
+  # GPU wraps some in `fusion-start` named `%all-reduce-start.1`.
+  named = re.match(r"([a-z][a-z\-]*?)-start\b", instr.name)
+  if named:
+    return named.group(1)
+  return instr.opcode[: -len("-start")]
+
+
+def windows(text: str) -> list[Window]:
+  """Every async pair in the scheduled computations, with what lies between."""
+  out = []
+  for comp, instrs in scheduled(text).items():
+    index = {i.name: k for k, i in enumerate(instrs)}
+    for k, instr in enumerate(instrs):
+      if not (instr.opcode.endswith("-done") or
+              re.match(r"[\w\-]*-done", instr.name)):
+        continue
+      if instr.opcode in ("copy-done",) or instr.name.startswith("copy-done"):
+        continue
+      # Walk back through continuations to the start.
+      seen, frontier, start = set(), list(instr.operands[:1]), None
+      while frontier:
+        name = frontier.pop()
+        if name in seen or name not in index:
+          continue
+        seen.add(name)
+        cand = instrs[index[name]]
+        if cand.opcode.endswith("-start") or re.match(r"[\w\-]*-start", cand.name):
+          start = index[name]
+          break
+        frontier.extend(cand.operands)
+      if start is None:
+        continue
+      out.append(Window(_kind(instrs[start]), comp, start, k,
+                        tuple(instrs[start + 1:k])))
+  return out
+
+
+def is_sync(text: str, kind: str) -> bool:
+  """Whether some `kind` collective is compiled synchronous (no start/done)."""
+  for instrs in scheduled(text).values():
+    for i in instrs:
+      if i.opcode == kind or ('is_sync=true' in i.line and kind in i.line):
+        return True
+  return False
+
+
+#: TPU compiles a matmul to a convolution.
+_SAME_OP = {"convolution": "dot"}
+
+
+def scheduled_markers(text: str, markers) -> list:
+  """The `markers` (HLO opcodes) in the order the entry computation runs them.
+
+  As tests/lowered.py's, for TPU and GPU texts: a fusion or call counts as
+  the markers inside it (a sorted tuple when it holds several), a while loop
+  as its body's markers at its place; a TPU convolution is a "dot".
+  """
+  comps = computations(text)
+  markers = set(markers)
+
+  def marker(opcode):
+    opcode = _SAME_OP.get(opcode, opcode)
+    return opcode if opcode in markers else None
+
+  def called(instr, key):
+    return re.findall(rf"\b{key}=%([\w.\-]+)", instr.line)
+
+  def inside(name, seen=()):
+    found = set()
+    for i in comps.get(name, []):
+      if marker(i.opcode):
+        found.add(marker(i.opcode))
+      for sub in called(i, "calls") + called(i, "to_apply"):
+        if sub not in seen:
+          found |= inside(sub, (*seen, sub))
+    return found
+
+  def walk(name):
+    out = []
+    for i in comps.get(name, []):
+      if i.opcode == "while":
+        out += walk(called(i, "body")[0])
+        continue
+      found = set()
+      if marker(i.opcode):
+        found.add(marker(i.opcode))
+      for sub in called(i, "calls") + called(i, "to_apply"):
+        found |= inside(sub)
+      if len(found) == 1:
+        out.append(found.pop())
+      elif found:
+        out.append(tuple(sorted(found)))
+    return out
+  return walk("ENTRY")

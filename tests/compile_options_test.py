@@ -1,0 +1,109 @@
+"""What the library adds for the TPU and GPU compilers, checked on the lowered
+module (no TPU or GPU compiler needed; tests/aot/ compiles for real)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_overlap
+from jax_overlap import program_order
+from jax_overlap._src import _compat
+from jax_overlap._src.collectives import not_async
+from jax_overlap._src.ordering import compile_options
+
+P = jax.P if hasattr(jax, "P") else jax.sharding.PartitionSpec
+needs_split_pairs = pytest.mark.skipif(
+    not _compat.ASYNC_CUSTOM_CALLS,
+    reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU")
+
+
+def _mesh():
+  return jax.make_mesh((2,), ("i",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _lowered(body, platform, *args):
+  f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P("i")))
+  return f.trace(*args).lower(lowering_platforms=(platform,))
+
+
+def _two_gathers(x):
+  @program_order(enforce=True)
+  def f(x):
+    a = jax_overlap.all_gather_start(x, "i", tiled=True)
+    b = jax_overlap.all_gather_start(x * 2, "i", tiled=True)
+    return a.done() + b.done()
+  return f(x)
+
+
+def test_overlap_limits_for_each_platform():
+  assert compile_options.overlap_options("cuda", {"all-gather": 2, "reduce-scatter": 2}) \
+      == {compile_options.GPU_OVERLAP_LIMIT: 4}
+  assert compile_options.overlap_options("tpu", {"all-gather": 3}) \
+      == {compile_options.TPU_ALL_GATHER_LIMIT: 3}
+  assert compile_options.overlap_options("cuda", {"all-gather": 1}) == {}
+  assert compile_options.overlap_options("cpu", {"all-gather": 4}) == {}
+
+
+@needs_split_pairs
+def test_module_with_futures_gets_the_limit_and_the_users_option_wins():
+  module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
+  assert _compat.async_collective_starts(module) == {"all-gather": 2}
+  assert compile_options._options_for(module, "cuda", {}) == {
+      compile_options.GPU_OVERLAP_LIMIT: 2}
+  assert compile_options._options_for(
+      module, "cuda", {compile_options.GPU_OVERLAP_LIMIT: 1}) == {}
+  assert compile_options._options_for(module, "cpu", {}) == {}
+
+
+def test_the_hook_is_installed():
+  from jax._src.interpreters import pxla
+  assert compile_options._INSTALLED
+  assert getattr(pxla.create_compile_options, "_jax_overlap_option_hooks", False)
+
+
+@needs_split_pairs
+@pytest.mark.parametrize("kind", ["psum_scatter", "psum", "all_to_all"])
+def test_futures_tpu_cannot_take_async_lower_synchronously_with_a_warning(
+    kind, monkeypatch):
+  monkeypatch.setattr(not_async, "_warned", set())
+
+  def body(x):
+    @program_order(enforce=True)
+    def f(x):
+      if kind == "psum_scatter":
+        fut = jax_overlap.psum_scatter_start(x, "i", tiled=True)
+      elif kind == "psum":
+        fut = jax_overlap.psum_start(x, "i")
+      else:
+        fut = jax_overlap.all_to_all_start(x, "i", 0, 0, tiled=True)
+      return fut.done(), jnp.sin(x)
+    a, b = f(x)
+    return jnp.concatenate([a.reshape(-1), b.reshape(-1)])[:8]
+  x = jnp.ones((16,))
+  with pytest.warns(jax_overlap.CollectiveNotAsyncWarning,
+                    match=f"{kind}_start on tpu"):
+    text = _lowered(body, "tpu", x).as_text()
+  assert "-start" not in text
+  # GPU takes the pair.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jax_overlap.CollectiveNotAsyncWarning)
+    assert "-start" in _lowered(body, "cuda", x).as_text()
+
+
+def test_fenced_synchronous_collective_is_found():
+  def body(x):
+    @program_order(enforce=True)
+    def f(x):
+      y = jnp.sin(x)
+      return jax.lax.all_gather(y, "i", tiled=True)
+    return f(x)[:8]
+  module = _lowered(body, "cuda", jnp.ones(8)).compiler_ir()
+  assert compile_options.fenced_sync_collectives(module) == ["all_gather"]
+  plain = _lowered(lambda x: jax.lax.all_gather(jnp.sin(x), "i", tiled=True)[:8],
+                   "cuda", jnp.ones(8)).compiler_ir()
+  assert compile_options.fenced_sync_collectives(plain) == []
