@@ -36,9 +36,12 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     shards; `shard_dims` says which dimension of each is sharded, and the
     transfers are `all_gather_start` / `psum_scatter_start` futures;
   * on an explicit-sharding mesh (`AxisType.Explicit`), outside shard_map:
-    the sharded dimension is read from each leaf's sharding, a gather is
-    `jax.reshard` to `P(reduced={axis})` and a reduce-scatter is resharding
-    the gradient back.
+    the sharded dimensions are read from each leaf's sharding, a gather is
+    `jax.reshard` to the leaf's spec without the fsdp axes (other axes,
+    such as tensor parallelism's, stay: a matmul contracting over them
+    needs `out_sharding=` in the layer, as in plain jax) and a
+    reduce-scatter is resharding the gradient back. A leaf replicated over
+    the fsdp axes is used as it is.
 
   Args:
     layer: `layer(x, layer_params) -> x`, the same structure and types out as
@@ -48,7 +51,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     params: a pytree whose leaves are stacked along a leading layer dimension
       (any number of layers >= 1), each sharded over `axis` along one other
       dimension.
-    axis: the mesh axis name the weights are sharded over.
+    axis: the mesh axis name the weights are sharded over, or a tuple of
+      names (e.g. `("data", "fsdp")`, ZeRO-3 over the whole mesh).
     shard_dims: in shard_map only: the sharded dimension of each leaf of
       `params` (counting the layer dimension): one int for all leaves, or a
       pytree of ints like `params`. Default 1, the first dimension after the
@@ -313,7 +317,7 @@ def _explicit_layouts(axis, axes, bound, params, shard_dims):
          f"leaves sharded over {over!r}.")
 
   def layout_of(path, p):
-    where = jax.tree_util.keystr(path)
+    where = jax.tree_util.keystr(path) or "(params itself)"
     sharding = getattr(jax.typeof(p), "sharding", None)
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)

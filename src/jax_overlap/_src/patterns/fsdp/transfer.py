@@ -9,14 +9,17 @@ returns `(compute(), gathered, scattered)`.
 * Inside `jax.shard_map` over the axis: our futures. The step is an ordered
   block `start…; compute (a free block); done…`, so the collectives are in
   flight across exactly the written compute.
-* On an explicit-sharding mesh, outside shard_map: `jax.reshard` to
-  `P(reduced={axis})` gathers (its cotangent stays unreduced) and resharding
-  a gradient back to the leaf's own spec reduce-scatters. jax allows a
-  reduced value only where it does not meet a value sharded over the same
-  axis elementwise (a matmul weight: yes; a norm's scale times activations
-  sharded over the batch: no), so a leaf the layer uses that way is gathered
-  to replicated instead (its gradient is then all-reduced, not
-  reduce-scattered). These are not futures; the step is an ordered block
+* On an explicit-sharding mesh, outside shard_map: `jax.reshard` takes the
+  fsdp axes out of each leaf's spec (every other axis stays: tensor
+  parallelism runs inside the layer) and marks the gathered value
+  `P(reduced=...)` over the fsdp and batch axes, so its cotangent stays
+  unreduced and resharding the gradient back to the leaf's own spec
+  reduce-scatters it. jax allows a reduced value only where a matmul
+  contracts over exactly those axes (a weight: yes; a norm's scale times
+  activations sharded over the batch: no), so a leaf the layer uses
+  otherwise is gathered to plain replicated (its gradient is then
+  all-reduced, not reduce-scattered). A leaf replicated over the fsdp axes
+  is used as it is. These are not futures; the step is an ordered block
   holding one free block with the reshards and the compute, which XLA's
   scheduler may overlap.
 """
