@@ -93,6 +93,24 @@ def _explicit_mesh_shard_dims():
                                              shard_dims=1))(x, w)
 
 
+def _fsdp_on(mesh_kind, shape, names, w_spec, axis, x_spec=None):
+  mesh = jax.make_mesh(shape, names, axis_types=(mesh_kind,) * len(names))
+  w = jax.device_put(jnp.ones((2, 8, 8)), NamedSharding(mesh, w_spec))
+  x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, x_spec or P(names[0])))
+  with jax.set_mesh(mesh):
+    return jax.jit(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w,
+                                             axis=axis))(x, w)
+
+
+def _fsdp_auto_mesh():
+  return _fsdp_on(jax.sharding.AxisType.Auto, (8,), ("d",), P(None, "d"), "d")
+
+
+def _fsdp_layer_dim_sharded():
+  return _fsdp_on(jax.sharding.AxisType.Explicit, (2, 4), ("l", "d"),
+                  P("l", "d"), "d", x_spec=P("d"))
+
+
 FUTURE_CARRY = r"a future cannot be a lax\.scan/fori_loop/while_loop carry"
 MISUSES = [
     # --- program_order ---------------------------------------------------------
@@ -228,6 +246,21 @@ MISUSES = [
          in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
      ValueError, r"fsdp_scan\(layer=\.\.\.\) must return the same structure, "
      r"shapes and dtypes as its input x .*'float32\[4,4\].*'bfloat16\[4,4\]"),
+    ("fsdp-axis-unknown", "a misspelt axis inside shard_map",
+     lambda: smap(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w, axis="j"),
+                  in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     NameError, r"fsdp_scan\(axis='j'\): no mesh axis named 'j' here: the "
+     r"enclosing jax\.shard_map binds \('i',\)"),
+    ("fsdp-axis-type", "axis=3", lambda: jo.fsdp_scan(
+        lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis=3),
+     TypeError, r"fsdp_scan\(axis=\.\.\.\) must be a mesh axis name or a tuple"),
+    ("fsdp-auto-mesh", "fsdp_scan outside shard_map on an Auto mesh",
+     _fsdp_auto_mesh, ValueError,
+     r"leaf \(params itself\) is on a mesh whose axis 'd' is AxisType\.Auto .*Make the mesh "
+     r"with axis_types=\(jax\.sharding\.AxisType\.Explicit"),
+    ("fsdp-layer-dim-sharded", "the layer dimension sharded on an explicit mesh",
+     _fsdp_layer_dim_sharded, ValueError,
+     r"its layer dimension \(the first\) is sharded over 'l'"),
     # --- collective matmul -------------------------------------------------------------
     ("matmul-axis", "all_gather_matmul over an unbound axis",
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "j"))(X),
@@ -256,7 +289,8 @@ MISUSES = [
 @pytest.mark.parametrize("row", MISUSES, ids=[r[0] for r in MISUSES])
 def test_misuse(row):
   _, _, call, error, pattern = row
-  if row[0] == "fsdp-shard-dims-explicit" and not HAS_EXPLICIT:
+  if row[0] in ("fsdp-shard-dims-explicit", "fsdp-layer-dim-sharded") \
+      and not HAS_EXPLICIT:
     pytest.skip("this jax lacks AxisType.Explicit or jax.reshard")
   with pytest.raises(error, match=pattern) as info:
     call()

@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core
+from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src import _compat
-from jax_overlap._src.patterns.fsdp.transfer import (ReshardTransfer,
+from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
+                                                     ReshardTransfer,
                                                      ShardMapTransfer)
 from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 
@@ -35,9 +37,12 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     shards; `shard_dims` says which dimension of each is sharded, and the
     transfers are `all_gather_start` / `psum_scatter_start` futures;
   * on an explicit-sharding mesh (`AxisType.Explicit`), outside shard_map:
-    the sharded dimension is read from each leaf's sharding, a gather is
-    `jax.reshard` to `P(reduced={axis})` and a reduce-scatter is resharding
-    the gradient back.
+    the sharded dimensions are read from each leaf's sharding, a gather is
+    `jax.reshard` to the leaf's spec without the fsdp axes (other axes,
+    such as tensor parallelism's, stay: a matmul contracting over them
+    needs `out_sharding=` in the layer, as in plain jax) and a
+    reduce-scatter is resharding the gradient back. A leaf replicated over
+    the fsdp axes is used as it is.
 
   Args:
     layer: `layer(x, layer_params) -> x`, the same structure, shapes and
@@ -52,7 +57,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       variables) whose leaves are stacked along a leading layer dimension
       (any number of layers >= 1), each sharded over `axis` along one other
       dimension, or kept replicated (see `shard_dims`).
-    axis: the mesh axis name the weights are sharded over.
+    axis: the mesh axis name the weights are sharded over, or a tuple of
+      names (e.g. `("data", "fsdp")`, ZeRO-3 over the whole mesh).
     shard_dims: in shard_map only: the sharded dimension of each leaf of
       `params` (counting the layer dimension): one int for all leaves, or a
       pytree of ints like `params` (or a prefix of it), with None for a leaf
@@ -100,7 +106,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   n_layers = _n_layers(params)
   transfer = _transfer(axis, params, shard_dims)
   if isinstance(transfer, ReshardTransfer):
-    transfer.reduced = transfer.reducible_leaves(layer, x, _layer(params, 0))
+    transfer.reduced = transfer.reduced_axes(layer, x, _layer(params, 0))
   layer, hoisted = _traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
@@ -378,24 +384,61 @@ def _n_layers(params) -> int:
 
 
 def _transfer(axis, params, shard_dims):
+  axes = _axis_names(axis)
   bound = _compat.bound_axis_names()
-  if bound is not None and axis in bound:
-    return ShardMapTransfer(axis, _local_dims(params, shard_dims, axis))
-  return ReshardTransfer(axis, _explicit_specs(axis, params, shard_dims))
+  if bound is not None and all(a in bound for a in axes):
+    return ShardMapTransfer(axes if len(axes) > 1 else axes[0],
+                            _local_dims(params, shard_dims, axes))
+  if bound and any(a in bound for a in axes):
+    raise NameError(
+        f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
+        "the enclosing jax.shard_map binds.")
+  return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
+                                                 shard_dims))
 
 
-def _local_dims(params, shard_dims, axis):
+def _axis_names(axis) -> tuple:
+  """`axis` as a tuple of mesh axis names (one name, or a tuple of them)."""
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  if not axes or not all(isinstance(a, str) for a in axes) \
+      or len(set(axes)) != len(axes):
+    raise TypeError(
+        f"fsdp_scan(axis=...) must be a mesh axis name or a tuple of distinct "
+        f"names, got {axis!r}.")
+  return axes
+
+
+def _has_axes(mesh, axes) -> bool:
+  names = getattr(mesh, "axis_names", None) or ()
+  return all(a in names for a in axes)
+
+
+def _in_scope(axes, bound, mesh=None) -> str:
+  """Which of `axes` is not in scope, and what is."""
+  known = set(bound or ()) | set(getattr(mesh, "axis_names", ()) or ())
+  missing = [a for a in axes if a not in known]
+  parts = []
+  if bound:
+    parts.append(f"the enclosing jax.shard_map binds {tuple(sorted(bound))}")
+  if mesh is not None and getattr(mesh, "axis_names", ()):
+    parts.append(f"the leaves' mesh has axes {tuple(mesh.axis_names)}")
+  where = "; ".join(parts)
+  name = ", ".join(repr(a) for a in missing)
+  return f"no mesh axis named {name} here: {where}."
+
+
+def _local_dims(params, shard_dims, axes):
   """Per-layer sharded dimension of each leaf of `params` (flattened) inside
-  shard_map; None for a leaf kept replicated over `axis`."""
+  shard_map; None for a leaf kept replicated over `axes`."""
   leaves = jax.tree.leaves(params)
   if shard_dims is None:
-    # A leaf whose type says it does not vary over `axis` (shard_map's
+    # A leaf whose type says it does not vary over `axes` (shard_map's
     # in_specs left it replicated, e.g. P()) is used as is; where this trace
     # does not track varying axes (check_vma=False), every leaf is gathered
     # along dimension 1 unless shard_dims says otherwise.
     def default(p):
       vma = _compat.varying_axes(p)
-      return None if vma is not None and axis not in vma else 1
+      return None if vma is not None and not vma & set(axes) else 1
     dims = [default(p) for p in leaves]
   elif isinstance(shard_dims, int) and not isinstance(shard_dims, bool):
     dims = [shard_dims] * len(leaves)
@@ -427,32 +470,57 @@ def _local_dims(params, shard_dims, axis):
   return [check(d, p) for d, p in zip(dims, leaves, strict=True)]
 
 
-def _explicit_specs(axis, params, shard_dims):
-  """Per-layer PartitionSpec of each leaf, on an explicit-sharding mesh."""
+def _explicit_layouts(axis, axes, bound, params, shard_dims):
+  """Per-layer `LeafLayout` of each leaf, on an explicit-sharding mesh."""
   if shard_dims is not None:
     raise ValueError(
         "fsdp_scan(shard_dims=...) is for use inside jax.shard_map; on an "
         "explicit-sharding mesh the sharded dimension is read from each "
         f"leaf's sharding. Drop shard_dims (got {shard_dims!r}).")
+  over = axes[0] if len(axes) == 1 else axes
+  how = (f"Call fsdp_scan inside jax.shard_map over {over!r}, or on an "
+         "explicit-sharding mesh (jax.sharding.AxisType.Explicit) with the "
+         f"leaves sharded over {over!r}.")
 
-  def spec_of(path, p):
-    where = jax.tree_util.keystr(path)
+  def layout_of(path, p):
+    where = jax.tree_util.keystr(path) or "(params itself)"
     sharding = getattr(jax.typeof(p), "sharding", None)
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
-    if spec is None or mesh is None or axis not in getattr(mesh, "axis_names", ()):
+    # A concrete array (eager call) also says how it really is sharded.
+    actual = getattr(p, "sharding", None) if not isinstance(p, jax.core.Tracer) \
+        else None
+    actual_mesh = getattr(actual, "mesh", None)
+    if not _has_axes(mesh, axes) and _has_axes(actual_mesh, axes):
+      mesh = actual_mesh
+    if spec is None or not _has_axes(mesh, axes):
+      if bound or getattr(mesh, "axis_names", ()):
+        raise NameError(
+            f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound, mesh)} Give "
+            "axis= the mesh axis (or tuple of axes) the weights are sharded "
+            "over.")
       raise ValueError(
           f"fsdp_scan(axis={axis!r}): leaf {where} is not sharded over a mesh "
-          f"axis {axis!r}. Call fsdp_scan inside jax.shard_map over {axis!r}, "
-          "or on an explicit-sharding mesh (jax.sharding.AxisType.Explicit) "
-          "with each leaf sharded over it.")
-    entries = tuple(spec) + (None,) * (jnp.ndim(p) - len(spec))
-    over = [i for i, e in enumerate(entries)
-            if e == axis or (isinstance(e, tuple) and axis in e)]
-    if len(over) > 1 or over == [0]:   # none: kept replicated, used as is
+          f"axis {over!r}. {how} (Here no axis is in scope: not inside "
+          "jax.shard_map, and the leaves are on no mesh.)")
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    auto = [a for a in axes if "Explicit" not in str(types.get(a, "Explicit"))]
+    if auto:
+      said = (f"its sharding is {actual.spec}" if hasattr(actual, "spec")
+              else "its type records no sharding over it")
       raise ValueError(
-          f"fsdp_scan: leaf {where} has sharding spec {spec}; it must be "
-          f"sharded over {axis!r} along exactly one dimension after the layer "
-          "dimension.")
-    return jax.sharding.PartitionSpec(*entries[1:])
-  return jax.tree_util.tree_map_with_path(spec_of, params)
+          f"fsdp_scan(axis={axis!r}): leaf {where} is on a mesh whose axis "
+          f"{auto[0]!r} is {types[auto[0]]} ({said}): jax keeps shardings over "
+          "Auto axes out of the types, so outside shard_map fsdp_scan cannot "
+          "read how the leaf is sharded. Make the mesh with axis_types="
+          "(jax.sharding.AxisType.Explicit, ...) and jax.set_mesh it, or call "
+          f"fsdp_scan inside jax.shard_map over {over!r}.")
+    entries = tuple(spec) + (None,) * (jnp.ndim(p) - len(spec))
+    if entries[0] is not None:
+      raise ValueError(
+          f"fsdp_scan: leaf {where} has sharding spec {spec}: its layer "
+          f"dimension (the first) is sharded over {entries[0]!r}. fsdp_scan "
+          "reads one layer at a time: keep the layer dimension unsharded and "
+          "shard a dimension after it.")
+    return LeafLayout(P(*entries[1:]), axes)
+  return jax.tree_util.tree_map_with_path(layout_of, params)

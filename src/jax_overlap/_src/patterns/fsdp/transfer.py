@@ -9,14 +9,17 @@ returns `(compute(), gathered, scattered)`.
 * Inside `jax.shard_map` over the axis: our futures. The step is an ordered
   block `start…; compute (a free block); done…`, so the collectives are in
   flight across exactly the written compute.
-* On an explicit-sharding mesh, outside shard_map: `jax.reshard` to
-  `P(reduced={axis})` gathers (its cotangent stays unreduced) and resharding
-  a gradient back to the leaf's own spec reduce-scatters. jax allows a
-  reduced value only where it does not meet a value sharded over the same
-  axis elementwise (a matmul weight: yes; a norm's scale times activations
-  sharded over the batch: no), so a leaf the layer uses that way is gathered
-  to replicated instead (its gradient is then all-reduced, not
-  reduce-scattered). These are not futures; the step is an ordered block
+* On an explicit-sharding mesh, outside shard_map: `jax.reshard` takes the
+  fsdp axes out of each leaf's spec (every other axis stays: tensor
+  parallelism runs inside the layer) and marks the gathered value
+  `P(reduced=...)` over the fsdp and batch axes, so its cotangent stays
+  unreduced and resharding the gradient back to the leaf's own spec
+  reduce-scatters it. jax allows a reduced value only where a matmul
+  contracts over exactly those axes (a weight: yes; a norm's scale times
+  activations sharded over the batch: no), so a leaf the layer uses
+  otherwise is gathered to plain replicated (its gradient is then
+  all-reduced, not reduce-scattered). A leaf replicated over the fsdp axes
+  is used as it is. These are not futures; the step is an ordered block
   holding one free block with the reshards and the compute, which XLA's
   scheduler may overlap.
 """
@@ -82,50 +85,126 @@ class ShardMapTransfer:
     return ordered()
 
 
+class LeafLayout:
+  """How one per-layer leaf lives and is gathered on an explicit mesh.
+
+  spec: the leaf's own PartitionSpec (where its gradient goes back to).
+  gathered: `spec` with the fsdp axes taken out of every entry and every
+    other axis kept, so tensor parallelism stays inside the layer.
+  fsdp: the fsdp axes the leaf is sharded over; none: the leaf is
+    replicated over them and used as it is (never resharded).
+  """
+
+  __slots__ = ("spec", "gathered", "fsdp")
+
+  def __init__(self, spec: P, axes):
+    self.spec = spec
+    self.gathered = P(*[_without(e, axes) for e in spec])
+    self.fsdp = frozenset(a for e in spec for a in _names(e) if a in axes)
+
+  def __repr__(self):
+    return f"LeafLayout({self.spec} -> {self.gathered})"
+
+
+def _names(entry) -> tuple:
+  return () if entry is None else tuple(entry) if isinstance(entry, tuple) \
+      else (entry,)
+
+
+def _without(entry, axes):
+  kept = tuple(a for a in _names(entry) if a not in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
 class ReshardTransfer:
   """`jax.reshard` on an explicit-sharding mesh.
 
-  specs: a pytree like one layer's params: each per-layer leaf's own
-    PartitionSpec (where the gradients go back to).
-  reduced: a pytree of bools like it: gather to `P(reduced={axis})` (else to
-    replicated); see `reducible_leaves`.
+  axes: the fsdp mesh axes.
+  layouts: a pytree like one layer's params, a `LeafLayout` per leaf.
+  reduced: a pytree like it: the axes each gathered leaf is
+    `P(reduced=...)` over (its cotangent is then unreduced over them, and
+    resharding it back reduce-scatters); empty: gathered to plain
+    replicated. See `reduced_axes`.
   """
 
-  def __init__(self, axis, specs, reduced=True):
-    self.axis = axis
-    self.specs = specs
-    self.reduced = (jax.tree.map(lambda _: reduced, specs,
-                                 is_leaf=lambda v: isinstance(v, P))
-                    if isinstance(reduced, bool) else reduced)
+  def __init__(self, axes, layouts):
+    self.axes = tuple(axes)
+    self.layouts = layouts
+    self.reduced = self._each(lambda lay: lay.fsdp)
+
+  def _each(self, fn):
+    return jax.tree.map(fn, self.layouts,
+                        is_leaf=lambda v: isinstance(v, LeafLayout))
 
   def gather_now(self, shards):
-    def gather(s, reduced):
-      spec = P(*[None] * s.ndim, reduced={self.axis}) if reduced else \
-          P(*[None] * s.ndim)
-      return jax.reshard(s, spec)
-    return jax.tree.map(gather, shards, self.reduced)
+    return self._gather(shards, self.reduced)
 
-  def reducible_leaves(self, layer: Callable, x, shards):
-    """Which leaves `layer(x, w)` accepts gathered as reduced: all where it
-    can, else those it accepts one at a time, else none."""
-    def accepts(mask) -> bool:
-      trial = ReshardTransfer(self.axis, self.specs, mask)
+  def _gather(self, shards, reduced):
+    def gather(s, lay, red):
+      if not lay.fsdp:
+        return s   # replicated over the fsdp axes: used as it is
+      spec = P(*lay.gathered, reduced=set(red)) if red else lay.gathered
+      return jax.reshard(s, spec)
+    return jax.tree.map(gather, shards, self.layouts, reduced)
+
+  def reduced_axes(self, layer: Callable, x, shards):
+    """The `reduced` axes of each leaf that `layer(x, w)` and its gradient
+    with respect to `w` accept.
+
+    jax requires a matmul's unreduced cotangent to be unreduced over exactly
+    the axes its contracted dimension is sharded over: for a weight, the
+    axes of the batch (those of `x`'s shardings) and the fsdp axes. A leaf
+    that meets `x` elementwise (a norm's scale) accepts no reduced axis and
+    is gathered to replicated (its gradient is all-reduced instead of
+    reduce-scattered). Tried all leaves at once, else one leaf at a time.
+    """
+    batch = frozenset(a for leaf in jax.tree.leaves(x)
+                      for e in getattr(getattr(jax.typeof(leaf), "sharding",
+                                               None), "spec", ()) or ()
+                      for a in _names(e))
+
+    def choices(lay):
+      if not lay.fsdp:
+        return [frozenset()]
+      kept = {a for e in lay.gathered for a in _names(e)}
+      out = []
+      for c in ((lay.fsdp | batch) - kept, lay.fsdp - kept, frozenset()):
+        if c not in out:
+          out.append(c)
+      return out
+
+    def accepts(reduced) -> bool:
+      def grad(x, s):
+        def total(s):
+          y = layer(x, self._gather(s, reduced))
+          return sum(jax.numpy.sum(leaf).astype("float32")
+                     for leaf in jax.tree.leaves(y)
+                     if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating))
+        return jax.grad(total)(s)
       try:
-        jax.eval_shape(lambda x, s: layer(x, trial.gather_now(s)), x, shards)
+        jax.eval_shape(grad, x, shards)
         return True
       except Exception:  # noqa: BLE001 - any refusal means "not this way"
         return False
-    every = jax.tree.map(lambda _: True, shards)
-    if accepts(every):
-      return every
-    leaves, tree = jax.tree.flatten(shards)
-    alone = [accepts(jax.tree.unflatten(tree, [j == k for j in range(len(leaves))]))
-             for k in range(len(leaves))]
+
+    options, tree = jax.tree.flatten(
+        self._each(choices), is_leaf=lambda v: isinstance(v, list))
+    first = jax.tree.unflatten(tree, [o[0] for o in options])
+    if accepts(first):
+      return first
+    none = [frozenset()] * len(options)
+    alone = []
+    for k, opts in enumerate(options):
+      alone.append(next(
+          (c for c in opts[:-1]
+           if accepts(jax.tree.unflatten(tree, none[:k] + [c] + none[k + 1:]))),
+          frozenset()))
     mixed = jax.tree.unflatten(tree, alone)
-    return mixed if accepts(mixed) else jax.tree.map(lambda _: False, shards)
+    return mixed if accepts(mixed) else jax.tree.unflatten(tree, none)
 
   def scatter_now(self, grads):
-    return jax.tree.map(jax.reshard, grads, self.specs)
+    return jax.tree.map(lambda g, lay: jax.reshard(g, lay.spec), grads,
+                        self.layouts)
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
     @program_order(enforce=True)
