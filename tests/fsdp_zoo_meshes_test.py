@@ -28,7 +28,6 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_overlap as jo
-from jax_overlap._src import _compat
 
 HAS_EXPLICIT = hasattr(jax.sharding, "AxisType") and hasattr(jax, "reshard")
 NEWEST = not jax.__version__.startswith(("0.10.", "0.11."))
