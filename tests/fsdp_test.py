@@ -304,10 +304,12 @@ def _windows(jaxpr):
   for i, eqn in enumerate(order):
     if eqn.primitive is collective_start_p:
       flight = eqn.outvars[0]
-      for later in order[i + 1:]:
-        if later.primitive is collective_done_p and later.invars[0] is flight:
-          break
-      between = order[i + 1:order.index(later)]
+      # (By position, not order.index: a scan body traced once and used by two
+      # scans, as the remainder-first scan does, appears twice in `order`.)
+      end = next(j for j in range(i + 1, len(order))
+                 if order[j].primitive is collective_done_p
+                 and order[j].invars[0] is flight)
+      between = order[i + 1:end]
       windows.append((eqn.params["comm"].name,
                       [e.primitive.name for e in between]))
   return windows
