@@ -14,7 +14,8 @@ from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
                                                      ShardMapTransfer)
-from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
+from jax_overlap._src.patterns.fsdp.weight_split import (split_by_weights,
+                                                         trace_layer)
 
 
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
@@ -304,20 +305,10 @@ def _traced_layer(layer, x, transfer, shards, n_layers):
   w_avals = jax.make_jaxpr(transfer.gather_now)(shards).out_avals
   w_avals = jax.tree.unflatten(jax.tree.structure(shards), w_avals)
   x_leaves, x_tree = jax.tree.flatten(x)
-  w_tree = jax.tree.structure(shards)
-  n_x = len(x_leaves)
-  out_tree = []
-
-  def flat(*leaves):
-    out = layer(jax.tree.unflatten(x_tree, leaves[:n_x]),
-                jax.tree.unflatten(w_tree, leaves[n_x:]))
-    out_leaves, tree = jax.tree.flatten(out)
-    out_tree.append(tree)
-    return out_leaves
-
   x_avals = [jax.typeof(v) for v in x_leaves]
   try:
-    closed = jax.make_jaxpr(flat)(*x_avals, *jax.tree.leaves(w_avals))
+    closed, out_tree = trace_layer(
+        layer, jax.tree.unflatten(x_tree, x_avals), w_avals)
   except Exception as e:  # noqa: BLE001 - re-raised with what fsdp_scan gave it
     raise ValueError(
         f"fsdp_scan(layer=..., params=...): the layer fails on x and one "
@@ -328,7 +319,7 @@ def _traced_layer(layer, x, transfer, shards, n_layers):
         "one layer's weights, stack them with a leading layer dimension "
         "(e.g. jax.tree.map(lambda a: a[None], params)).") from e
   out_avals = list(closed.out_avals)
-  same = out_tree[0] == x_tree and all(
+  same = out_tree == x_tree and all(
       a.shape == b.shape and a.dtype == b.dtype
       for a, b in zip(out_avals, x_avals))
   if not same:
@@ -336,7 +327,7 @@ def _traced_layer(layer, x, transfer, shards, n_layers):
         "fsdp_scan(layer=...) must return the same structure, shapes and "
         "dtypes as its input x (it is applied layer after layer): x is "
         f"{x_tree} with {[_short(a) for a in x_avals]}, the layer "
-        f"returns {out_tree[0]} with "
+        f"returns {out_tree} with "
         f"{[_short(a) for a in out_avals]} (given params[i]: "
         f"{_shapes(w_avals)}, of {n_layers} layers: if params hold one "
         "layer's weights, stack them with a leading layer dimension).")

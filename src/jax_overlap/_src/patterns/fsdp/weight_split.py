@@ -31,6 +31,25 @@ class WeightSplit(NamedTuple):
   rest: Callable[[Any, list], Any]
 
 
+def trace_layer(layer: Callable, x, w):
+  """`layer(x, w)` traced over the flat leaves of x then w (arrays or their
+  types): `(closed jaxpr, output treedef)`."""
+  x_leaves, x_tree = jax.tree.flatten(x)
+  w_leaves, w_tree = jax.tree.flatten(w)
+  n_x = len(x_leaves)
+  out_tree = []
+
+  def flat(*leaves):
+    out = layer(jax.tree.unflatten(x_tree, leaves[:n_x]),
+                jax.tree.unflatten(w_tree, leaves[n_x:]))
+    out_leaves, tree = jax.tree.flatten(out)
+    out_tree.append(tree)
+    return out_leaves
+
+  closed = jax.make_jaxpr(flat)(*x_leaves, *w_leaves)
+  return closed, out_tree[0]
+
+
 def split_by_weights(layer: Callable, x, w) -> WeightSplit:
   """Traces `layer(x, w)` and splits it at its weight-only frontier.
 
@@ -39,23 +58,11 @@ def split_by_weights(layer: Callable, x, w) -> WeightSplit:
   of the weights inside one goes to the weight side like any other. Effects
   (and effectful calls, whole) stay on the `rest` side.
   """
-  x_leaves, x_tree = jax.tree.flatten(x)
-  w_leaves, w_tree = jax.tree.flatten(w)
-  n_x = len(x_leaves)
-  out_tree_box = []
-
-  def flat(*leaves):
-    out = layer(jax.tree.unflatten(x_tree, leaves[:n_x]),
-                jax.tree.unflatten(w_tree, leaves[n_x:]))
-    leaves_out, tree = jax.tree.flatten(out)
-    out_tree_box.append(tree)
-    return leaves_out
-
-  closed = jax.make_jaxpr(flat)(*x_leaves, *w_leaves)
+  n_x = len(jax.tree.leaves(x))
+  closed, out_tree = trace_layer(layer, x, w)
   jaxpr = _compat.open_jaxpr(closed)
   consts = {(_TOP, v): c
             for v, c in zip(jaxpr.constvars, _compat.jaxpr_consts(closed))}
-  out_tree = out_tree_box[0]
   steps, alias = [], {}
   _inline(jaxpr, _TOP, consts, alias, steps, itertools.count(_TOP + 1))
   key = lambda v: _key(alias, _TOP, v)
