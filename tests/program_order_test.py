@@ -445,3 +445,19 @@ def test_shard_map_body_keeps_each_operand_type():
   w = jax.device_put(jnp.ones(2), jax.sharding.NamedSharding(mesh, P()))
   np.testing.assert_allclose(f(x, w), jnp.tanh(x * 2.0) * 8.0, rtol=1e-6)
   assert lowered.stablehlo(f, x, w).count("stablehlo.optimization_barrier") >= 2
+
+
+def test_axis_index_after_another_step_compiles_in_shard_map():
+  # An input-free equation after another one is fenced as a late-inlined call
+  # on a token; with `axis_index` inside, XLA's SPMD partitioner refused the
+  # call's partition-id (jax 0.12), so it is computed in place.
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("t",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  @program_order(enforce=True)
+  def body(x):
+    y = jnp.sin(x)
+    return y + jax.lax.axis_index("t")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")))
+  x = jnp.ones((8, 2))
+  np.testing.assert_allclose(f(x), np.sin(x) + np.arange(8.0)[:, None], rtol=1e-6)

@@ -29,6 +29,16 @@ from jax_overlap._src import _compat
 from jax_overlap._src.ordering.primitive import is_free_block
 
 
+#: Equations whose lowering reads the device's position (`partition-id`) are
+#: computed in place, not fenced: tied to a token, an input-free equation
+#: becomes a late-inlined call, and inside shard_map XLA's SPMD partitioner
+#: refuses a `partition-id` in such a call ("not supported for SPMD
+#: partitioning since the meaning is ambiguous"; jax's own program_order
+#: fails the same way). The device's position costs nothing to compute, so
+#: there is no order to keep.
+_READS_DEVICE_POSITION = frozenset({"axis_index"})
+
+
 def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
                  strict_out: bool) -> list[Any]:
   """Evaluates `closed` on `args` with the barriers that fix its order."""
@@ -54,6 +64,8 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     invals = [read(v) for v in eqn.invars]
     literal = [_is_constant(v) for v in eqn.invars]
     if prev_eqn is None:
+      outs = _compat.bind_eqn(eqn, invals)
+    elif eqn.primitive.name in _READS_DEVICE_POSITION:
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
       token = _compat.new_token()
