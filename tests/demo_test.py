@@ -9,7 +9,16 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
+
+# `make demo` runs the demo on the newest supported jax, and so do these tests:
+# two demo runs cost about 100 s a version, more than CI's budget leaves for the
+# older two.
+pytestmark = pytest.mark.skipif(
+    jax.__version__.startswith(("0.10.", "0.11.")),
+    reason="the demo's tests run on jax 0.12.0.1 only, the jax make demo uses "
+    "(CI's time budget)")
 
 DEMO = [sys.executable, "-m", "jax_overlap", "demo"]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="120")
