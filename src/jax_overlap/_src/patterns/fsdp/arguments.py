@@ -1,0 +1,266 @@
+"""What `fsdp_scan` is given: checked at the call, and turned into a transfer.
+
+The number of layers, the remat policy, the axes (one name or a tuple), which
+context it runs in (a `ShardMapTransfer` inside `jax.shard_map`, a
+`ReshardTransfer` on an explicit-sharding mesh), each leaf's sharded
+dimension or layout (replicated leaves included), and one trace of the layer
+on x and a gathered layer's weights: it must keep x's types, and any traced
+values it closes over are lifted into explicit inputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src import core as jax_core
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src import _compat
+from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
+                                                     ReshardTransfer,
+                                                     ShardMapTransfer)
+from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
+
+
+def check_remat_policy(policy):
+  if policy is None or callable(policy):
+    return
+  hint = ""
+  if isinstance(policy, str):
+    names = sorted(n for n in dir(jax.checkpoint_policies)
+                   if n.endswith("saveable") and not n.startswith("_"))
+    hint = (" Pass the policy itself, not its name: one of "
+            + ", ".join(f"jax.checkpoint_policies.{n}" for n in names) + ".")
+  raise TypeError(
+      f"fsdp_scan(remat_policy=...) must be a jax.checkpoint policy (a "
+      f"function) or None, got {policy!r}.{hint}")
+
+
+def _short(v) -> str:
+  aval = v if isinstance(v, jax_core.AbstractValue) else jax.typeof(v)
+  return aval.str_short() if hasattr(aval, "str_short") else str(aval)
+
+
+def _shapes(tree) -> str:
+  return ", ".join(f"{jax.tree_util.keystr(k) or '.'} {_short(v)}"
+                   for k, v in jax.tree_util.tree_leaves_with_path(tree))
+
+
+def traced_layer(layer, x, transfer, shards, n_layers):
+  """Traces `layer` once on x and one gathered layer's weights: checks that
+  it accepts them and returns x's structure and types, and lifts the traced
+  values it closes over. Returns `(layer, hoisted)`: with `hoisted` empty the
+  user's layer as it is; else `layer((x, hoisted), w) -> (y, hoisted)`."""
+  w_avals = jax.make_jaxpr(transfer.gather_now)(shards).out_avals
+  w_avals = jax.tree.unflatten(jax.tree.structure(shards), w_avals)
+  x_leaves, x_tree = jax.tree.flatten(x)
+  x_avals = [jax.typeof(v) for v in x_leaves]
+  try:
+    closed, out_tree = trace_layer(
+        layer, jax.tree.unflatten(x_tree, x_avals), w_avals)
+  except Exception as e:  # noqa: BLE001 - re-raised with what fsdp_scan gave it
+    raise ValueError(
+        f"fsdp_scan(layer=..., params=...): the layer fails on x and one "
+        f"layer's weights ({type(e).__name__}: {e}). fsdp_scan reads the "
+        f"leading dimension of every leaf of params as the layer dimension "
+        f"({n_layers} layers here) and calls layer(x, params[i]) with "
+        f"x: {_shapes(x)} and params[i]: {_shapes(w_avals)}. If params hold "
+        "one layer's weights, stack them with a leading layer dimension "
+        "(e.g. jax.tree.map(lambda a: a[None], params)).") from e
+  out_avals = list(closed.out_avals)
+  same = out_tree == x_tree and all(
+      a.shape == b.shape and a.dtype == b.dtype
+      for a, b in zip(out_avals, x_avals))
+  if not same:
+    raise ValueError(
+        "fsdp_scan(layer=...) must return the same structure, shapes and "
+        "dtypes as its input x (it is applied layer after layer): x is "
+        f"{x_tree} with {[_short(a) for a in x_avals]}, the layer "
+        f"returns {out_tree} with "
+        f"{[_short(a) for a in out_avals]} (given params[i]: "
+        f"{_shapes(w_avals)}, of {n_layers} layers: if params hold one "
+        "layer's weights, stack them with a leading layer dimension).")
+
+  consts = _compat.jaxpr_consts(closed)
+  traced = [k for k, c in enumerate(consts) if isinstance(c, jax_core.Tracer)]
+  if not traced:
+    return layer, []
+  jaxpr = _compat.open_jaxpr(closed)
+
+  def lifted(carry, w):
+    x, hoisted = carry
+    values = list(consts)
+    for k, h in zip(traced, hoisted, strict=True):
+      values[k] = h
+    out = jax_core.eval_jaxpr(jaxpr, values, *jax.tree.leaves(x),
+                             *jax.tree.leaves(w))
+    return jax.tree.unflatten(x_tree, out), hoisted
+  return lifted, [consts[k] for k in traced]
+
+
+
+def count_layers(params) -> int:
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  if not leaves:
+    raise ValueError("fsdp_scan(params=...) has no arrays: give it the "
+                     "stacked weights of at least one layer.")
+  sizes = {}
+  for path, leaf in leaves:
+    shape = jnp.shape(leaf)
+    if len(shape) < 2:
+      raise ValueError(
+          f"fsdp_scan(params=...): leaf {jax.tree_util.keystr(path)} has "
+          f"shape {shape}; every leaf needs a leading layer dimension and a "
+          "sharded dimension after it.")
+    sizes[jax.tree_util.keystr(path)] = shape[0]
+  if len(set(sizes.values())) != 1:
+    raise ValueError(
+        "fsdp_scan(params=...): the leading (layer) dimension differs between "
+        f"leaves: {sizes}. Stack every parameter over the same layers.")
+  n = next(iter(sizes.values()))
+  if n < 1:
+    raise ValueError("fsdp_scan(params=...) holds 0 layers; it needs at least 1.")
+  return n
+
+
+def choose_transfer(axis, params, shard_dims):
+  axes = _axis_names(axis)
+  bound = _compat.bound_axis_names()
+  if bound is not None and all(a in bound for a in axes):
+    return ShardMapTransfer(axes if len(axes) > 1 else axes[0],
+                            _local_dims(params, shard_dims, axes))
+  if bound and any(a in bound for a in axes):
+    raise NameError(
+        f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
+        "the enclosing jax.shard_map binds.")
+  return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
+                                                 shard_dims))
+
+
+def _axis_names(axis) -> tuple:
+  """`axis` as a tuple of mesh axis names (one name, or a tuple of them)."""
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  if not axes or not all(isinstance(a, str) for a in axes) \
+      or len(set(axes)) != len(axes):
+    raise TypeError(
+        f"fsdp_scan(axis=...) must be a mesh axis name or a tuple of distinct "
+        f"names, got {axis!r}.")
+  return axes
+
+
+def _has_axes(mesh, axes) -> bool:
+  names = getattr(mesh, "axis_names", None) or ()
+  return all(a in names for a in axes)
+
+
+def _in_scope(axes, bound, mesh=None) -> str:
+  """Which of `axes` is not in scope, and what is."""
+  known = set(bound or ()) | set(getattr(mesh, "axis_names", ()) or ())
+  missing = [a for a in axes if a not in known]
+  parts = []
+  if bound:
+    parts.append(f"the enclosing jax.shard_map binds {tuple(sorted(bound))}")
+  if mesh is not None and getattr(mesh, "axis_names", ()):
+    parts.append(f"the leaves' mesh has axes {tuple(mesh.axis_names)}")
+  where = "; ".join(parts)
+  name = ", ".join(repr(a) for a in missing)
+  return f"no mesh axis named {name} here: {where}."
+
+
+def _local_dims(params, shard_dims, axes):
+  """Per-layer sharded dimension of each leaf of `params` (flattened) inside
+  shard_map; None for a leaf kept replicated over `axes`."""
+  leaves = jax.tree.leaves(params)
+  if shard_dims is None:
+    # A leaf whose type says it does not vary over `axes` (shard_map's
+    # in_specs left it replicated, e.g. P()) is used as is; where this trace
+    # does not track varying axes (check_vma=False), every leaf is gathered
+    # along dimension 1 unless shard_dims says otherwise.
+    def default(p):
+      vma = _compat.varying_axes(p)
+      return None if vma is not None and not vma & set(axes) else 1
+    dims = [default(p) for p in leaves]
+  elif isinstance(shard_dims, int) and not isinstance(shard_dims, bool):
+    dims = [shard_dims] * len(leaves)
+  else:
+    # A pytree of ints (or None) shaped like params, or a prefix of it.
+    is_none = lambda d: d is None
+    try:
+      subtrees = jax.tree.structure(shard_dims, is_leaf=is_none).flatten_up_to(
+          params)
+    except (ValueError, TypeError):
+      raise ValueError(
+          "fsdp_scan(shard_dims=...) must be one int or a pytree of ints "
+          "shaped like params (None for a leaf kept replicated); got "
+          f"{shard_dims!r} for params of structure "
+          f"{jax.tree.structure(params)}.") from None
+    dims = [d for d, sub in zip(jax.tree.leaves(shard_dims, is_leaf=is_none),
+                                subtrees)
+            for _ in jax.tree.leaves(sub)]
+
+  def check(d, p):
+    if d is None:
+      return None
+    if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < jnp.ndim(p):
+      raise ValueError(
+          f"fsdp_scan(shard_dims=...): {d!r} is not a dimension after the "
+          f"layer dimension of a leaf of shape {jnp.shape(p)} (give 1 to "
+          f"{jnp.ndim(p) - 1}, or None for a leaf kept replicated).")
+    return d - 1
+  return [check(d, p) for d, p in zip(dims, leaves, strict=True)]
+
+
+def _explicit_layouts(axis, axes, bound, params, shard_dims):
+  """Per-layer `LeafLayout` of each leaf, on an explicit-sharding mesh."""
+  if shard_dims is not None:
+    raise ValueError(
+        "fsdp_scan(shard_dims=...) is for use inside jax.shard_map; on an "
+        "explicit-sharding mesh the sharded dimension is read from each "
+        f"leaf's sharding. Drop shard_dims (got {shard_dims!r}).")
+  over = axes[0] if len(axes) == 1 else axes
+  how = (f"Call fsdp_scan inside jax.shard_map over {over!r}, or on an "
+         "explicit-sharding mesh (jax.sharding.AxisType.Explicit) with the "
+         f"leaves sharded over {over!r}.")
+
+  def layout_of(path, p):
+    where = jax.tree_util.keystr(path) or "(params itself)"
+    sharding = getattr(jax.typeof(p), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    # A concrete array (eager call) also says how it really is sharded.
+    actual = getattr(p, "sharding", None) if not isinstance(p, jax.core.Tracer) \
+        else None
+    actual_mesh = getattr(actual, "mesh", None)
+    if not _has_axes(mesh, axes) and _has_axes(actual_mesh, axes):
+      mesh = actual_mesh
+    if spec is None or not _has_axes(mesh, axes):
+      if bound or getattr(mesh, "axis_names", ()):
+        raise NameError(
+            f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound, mesh)} Give "
+            "axis= the mesh axis (or tuple of axes) the weights are sharded "
+            "over.")
+      raise ValueError(
+          f"fsdp_scan(axis={axis!r}): leaf {where} is not sharded over a mesh "
+          f"axis {over!r}. {how} (Here no axis is in scope: not inside "
+          "jax.shard_map, and the leaves are on no mesh.)")
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    auto = [a for a in axes if "Explicit" not in str(types.get(a, "Explicit"))]
+    if auto:
+      said = (f"its sharding is {actual.spec}" if hasattr(actual, "spec")
+              else "its type records no sharding over it")
+      raise ValueError(
+          f"fsdp_scan(axis={axis!r}): leaf {where} is on a mesh whose axis "
+          f"{auto[0]!r} is {types[auto[0]]} ({said}): jax keeps shardings over "
+          "Auto axes out of the types, so outside shard_map fsdp_scan cannot "
+          "read how the leaf is sharded. Make the mesh with axis_types="
+          "(jax.sharding.AxisType.Explicit, ...) and jax.set_mesh it, or call "
+          f"fsdp_scan inside jax.shard_map over {over!r}.")
+    entries = tuple(spec) + (None,) * (jnp.ndim(p) - len(spec))
+    if entries[0] is not None:
+      raise ValueError(
+          f"fsdp_scan: leaf {where} has sharding spec {spec}: its layer "
+          f"dimension (the first) is sharded over {entries[0]!r}. fsdp_scan "
+          "reads one layer at a time: keep the layer dimension unsharded and "
+          "shard a dimension after it.")
+    return LeafLayout(P(*entries[1:]), axes)
+  return jax.tree_util.tree_map_with_path(layout_of, params)
