@@ -234,14 +234,15 @@ def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
 @pytest.mark.parametrize("which", ["all_gather_matmul", "matmul_reduce_scatter"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
 def test_collective_matmul_sends_behind_block_matmuls(name, which, grad):
-  if (name, which, grad) == ("tpu_v5e", "matmul_reduce_scatter", False):
+  text, warned = _compiled(name, "collective_matmul", which, grad)
+  permutes = _async(text, "collective-permute")
+  if ((name, which, grad) == ("tpu_v5e", "matmul_reduce_scatter", False)
+      and not all(w.matmuls >= 1 for w in permutes)):
     pytest.xfail(
         "TPU (libtpu 0.0.52) schedules all 7 block matmuls of the reduce-"
         "scatter ring before the first send (they do not read what arrives, "
         "and no barrier is left in TPU's compiled text): the permutes are "
         "async with nothing in their windows; open (issue 16)")
-  text, warned = _compiled(name, "collective_matmul", which, grad)
-  permutes = _async(text, "collective-permute")
   assert len(permutes) >= N - 1, schedule.windows(text)
   assert all(w.matmuls >= 1 for w in permutes), permutes
   assert not warned, warned
