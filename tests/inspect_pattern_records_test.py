@@ -3,6 +3,8 @@ line (or None, never ''), and `leaf` names what each collective moves."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -113,3 +115,18 @@ def test_leaf_scope_round_trips(name):
   with moving(name):
     stack = str(source_info_util.current_name_stack())
   assert leaf_from_op_name(f"jit(f)/{stack}/all_gather_start") == name
+
+
+@pytest.mark.parametrize("name", ["x @ w", "dy @ w.T", "['w1']"])
+def test_leaf_scope_keeps_the_compiled_op_name_whole(name):
+  # An '@' in a name scope cut the compiled op_name short (jax writes name
+  # stacks into MLIR locations), losing the primitive the inspector reads.
+  def f(x):
+    with moving(name):
+      return jnp.dot(x, x)
+  text = jax.jit(f).lower(jnp.ones((4, 4))).compile().as_text()
+  # (HLO text escapes quotes inside a string; the inspector's reader undoes it.)
+  names = [n.replace("\\'", "'") for n in
+           re.findall(r'op_name="([^"]*dot_general[^"]*)"', text)]
+  assert names, re.findall(r'op_name="([^"]*)"', text)
+  assert {leaf_from_op_name(n) for n in names} == {name}

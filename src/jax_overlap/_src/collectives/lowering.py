@@ -56,6 +56,7 @@ def _lower_start(ctx, x, *, comm, split):
   (y,) = _compat.lower_jaxpr_inline(sub_ctx, comm.jaxpr, x)
   op = _collective_op(y)
   if op is not None and split and _sync_on_this_platform(ctx, op):
+    op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
     return [y, x]
   if op is not None:
     if _compat.ASYNC_CUSTOM_CALLS:

@@ -23,6 +23,11 @@ import warnings
 
 _warned: set[str] = set()
 
+#: Marks the MLIR op of a future lowered synchronously (on this backend): it
+#: was said with its own warning, so it is not also "a synchronous collective
+#: fenced in an ordered block".
+SYNC_FUTURE_ATTR = "jax_overlap.sync_future"
+
 
 class CollectiveNotAsyncWarning(UserWarning):
   """A collective compiles synchronous where the program asked for overlap.

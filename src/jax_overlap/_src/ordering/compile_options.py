@@ -58,7 +58,7 @@ def fenced_sync_collectives(computation) -> list[str]:
   found: list[str] = []
 
   def visit(op):
-    if op.name in _SYNC_COLLECTIVES:
+    if op.name in _SYNC_COLLECTIVES and not_async.SYNC_FUTURE_ATTR not in op.attributes:
       for operand in op.operands:
         owner = operand.owner
         if isinstance(owner, ir.Block):

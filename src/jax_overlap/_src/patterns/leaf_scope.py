@@ -17,8 +17,11 @@ PREFIX = "jax_overlap.leaf="
 
 def moving(name: str):
   """A `jax.named_scope` saying that the collectives started inside it move
-  `name`. '/' separates scopes in op_name, so it (and '%') is escaped."""
-  return jax.named_scope(PREFIX + name.replace("%", "%25").replace("/", "%2F"))
+  `name`. '/' separates scopes in op_name, and an '@' cuts the name stack short
+  where jax writes it into MLIR locations (the rest of op_name, the primitive
+  included, is lost), so both (and '%') are escaped."""
+  escaped = name.replace("%", "%25").replace("/", "%2F").replace("@", "%40")
+  return jax.named_scope(PREFIX + escaped)
 
 
 def moving_leaf(path):
@@ -34,4 +37,4 @@ def leaf_from_op_name(op_name: str) -> str | None:
       found = scope[len(PREFIX):]
   if found is None:
     return None
-  return found.replace("%2F", "/").replace("%25", "%")
+  return found.replace("%40", "@").replace("%2F", "/").replace("%25", "%")
