@@ -1,0 +1,1 @@
+"""The cost model and the simulation: modelled seconds, exposed time, the bound."""

@@ -1,0 +1,1 @@
+"""Reading HLO: dump text and live compiles, into one `HloModule`."""

@@ -1,0 +1,1 @@
+"""The report and its renderings: records, table, pictures, diff."""

@@ -1,0 +1,1 @@
+"""Schedules and windows: collectives paired from start to done."""

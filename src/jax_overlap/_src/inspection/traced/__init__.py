@@ -1,0 +1,1 @@
+"""The traced program: its jaxpr read as written, before any compile."""
