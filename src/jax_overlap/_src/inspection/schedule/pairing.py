@@ -19,7 +19,9 @@ its own. In each, every collective is found:
   fusion, continuation fusions, a done fusion) is one collective, followed
   through its state from start to done; its continuations' fused compute is
   in its window (`Pair.continuations`, `Schedule.continuations`);
-* `copy-start`/`copy-done` pairs are async copies, kept apart.
+* `copy-start`/`copy-done` pairs are async copies, kept apart, and so are
+  async slices (`async-start` of a lone slice; `as_text()`'s `slice-start`
+  is written so by `reading/async_sugar.py`).
 
 The window of a pair is the instructions strictly between start and done
 along that path; its compute (fusions, custom calls, dots, convolutions,
@@ -280,6 +282,8 @@ class _Reader:
     thread = self._wrapper_thread(instr, thread)
     if not explicit and wrapped in COLLECTIVE_OPCODES:
       return self._follow(comp, instr, "collective", wrapped, thread, instr)
+    if explicit and self._wraps_a_slice(instr):
+      return self._follow(comp, instr, "copy", "copy", thread, None)
     found, compute = self.instruction_holds(instr)
     if len(found) == 1 and not compute:
       inner = found[0]
@@ -291,6 +295,16 @@ class _Reader:
     todo.append((callee, thread))
     return self._follow(comp, instr, "call", "call", thread, None,
                         callee=callee)
+
+  def _wraps_a_slice(self, instr) -> bool:
+    """An async slice (TPU's `slice-start`, a dump's `async-start` of a
+    slice): a transfer by the copy engine, like `copy-start`."""
+    callees = instr.callees("calls")
+    if len(callees) != 1 or callees[0] not in self.comps:
+      return False
+    real = [i.opcode for i in self.comps[callees[0]].instructions
+            if i.opcode not in ("parameter", "tuple", "get-tuple-element")]
+    return real in (["slice"], ["dynamic-slice"])
 
   def _wrapper_thread(self, instr, default) -> str:
     thread = attrs.string_attribute(instr, "async_execution_thread")
