@@ -32,7 +32,7 @@ PROGRAMS = {  # name -> (PROGRAMS key, extra args)
 TARGETS = {"gpu": "gpu_h100", "tpu": "tpu_v5e"}
 # Forms the inspector's readers are tested on (tests/inspect_real_forms_test.py):
 # stem -> (target, function in this file making (fn, args)). Written as
-# `readers-<stem>.*`; `make_real_fixtures.py readers` makes only these.
+# `readers-<stem>.*`; `make_real_fixtures.py readers [stem...]` makes only these.
 READER_CASES = {
     "tpu_fsdp32_value_and_grad": ("tpu_v5e", "fsdp32_program"),
     "tpu_loops": ("tpu_v5e", "loops_program"),
@@ -104,7 +104,9 @@ def _cases():
   """(output stem, target, child source with `{out}` left to fill)."""
   common = dict(aot=str(HERE), tests=str(HERE.parent))
   if READERS:
-    for name, (target, function) in READER_CASES.items():
+    chosen = [a for a in sys.argv[1:] if a in READER_CASES] or list(READER_CASES)
+    for name in chosen:
+      target, function = READER_CASES[name]
       yield (OUT / f"readers-{name}", _READER_CHILD.format(
           **common, target=target, function=function, out="{out}"))
     return

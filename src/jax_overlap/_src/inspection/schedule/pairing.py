@@ -145,12 +145,20 @@ class _Reader:
     self.comps = module.computations
     self._users_cache = {}
     self._holds: dict[str, tuple[list[HloInstruction], bool]] = {}
+    self._roles: dict[int, str | None] = {}
     self.while_parents: dict[str, tuple[str, str]] = {}
     for comp in self.comps.values():
       for instr in comp.instructions:
         if instr.opcode == "while":
           for body in instr.callees("body"):
             self.while_parents.setdefault(body, (comp.name, instr.name))
+
+  def chain_role(self, instr: HloInstruction) -> str | None:
+    """`async_fusions.chain_role`, read once per instruction."""
+    key = id(instr)
+    if key not in self._roles:
+      self._roles[key] = async_fusions.chain_role(instr, self.module)
+    return self._roles[key]
 
   # --- what a computation holds -------------------------------------------
 
@@ -238,9 +246,11 @@ class _Reader:
       comp = self.comps[name]
       for instr in comp.instructions:
         if (name, instr.name) in reached or \
-            async_fusions.chain_role(instr, self.module) != "done":
+            self.chain_role(instr) != "done":
           continue
         inner = async_fusions.fused_collective(instr, self.module)
+        if inner is None:
+          continue
         out.append(Pair("collective", _kind(inner), instr, instr, name, name,
                         thread, is_async=False, bytes=_payload_bytes(inner.shape),
                         group_size=attrs.group_size(inner, self.module)))
@@ -252,8 +262,8 @@ class _Reader:
 
   def _pairs_at(self, comp, instr, thread, todo) -> list[Pair]:
     op = instr.opcode
-    role = async_fusions.chain_role(instr, self.module)
-    if role == "start":
+    role = self.chain_role(instr)
+    if role == "start" and async_fusions.fused_collective(instr, self.module):
       inner = async_fusions.fused_collective(instr, self.module)
       return self._follow(comp, instr, "collective", _kind(inner), thread,
                           inner, chain=True)
@@ -377,7 +387,6 @@ class _Reader:
     is a fusion chain's: its state passes through the continuations it
     reaches (named there, in order) to the chain's done."""
     chain = continuations is not None
-    module = self.module
     found: dict[tuple[str, str], tuple] = {}
     queue = collections.deque([(comp, start, (), ())])
     seen = set()
@@ -388,7 +397,7 @@ class _Reader:
         continue
       seen.add(state)
       for user, k in self._users(c).get(x.name, []):
-        role = async_fusions.chain_role(user, module) if chain else None
+        role = self.chain_role(user) if chain else None
         if chain and not path and role in ("done", "continuation"):
           if role == "done":
             old = found.get((c.name, user.name))
@@ -437,7 +446,7 @@ class _Reader:
 
   def _carries_state(self, link, gte) -> bool:
     """Whether `gte`, an element of chain link `link`, is chain state."""
-    role = async_fusions.chain_role(link, self.module)
+    role = self.chain_role(link)
     if role == "start":
       return True
     if role != "continuation":
