@@ -422,6 +422,19 @@ def test_tpu_async_collective_fusion_chain_is_one_overlapping_collective(path):
   assert not names & set(continuations)
   assert not [c for c in report.collectives
               if c.made_blocking and "async-collective" in (c.start + c.done)]
+  # what the model is handed: each continuation, its chain, and the compute
+  # fused into it (a dot or convolution in these fixtures)
+  from jax_overlap._src.inspection.reading.hlo_text import load_hlo  # noqa: PLC0415
+  from jax_overlap._src.inspection.schedule import async_fusions  # noqa: PLC0415
+  from jax_overlap._src.inspection.schedule.pairing import read_schedule  # noqa: PLC0415
+  module = load_hlo(path)
+  schedule = read_schedule(module)
+  assert sorted(n for _, n in schedule.continuations) == sorted(continuations)
+  for (comp, name), pairs in schedule.continuations.items():
+    assert [p.start.name for p in pairs][0].startswith("async-collective-start")
+    fused = async_fusions.fused_compute(module.computations[comp].by_name[name], module)
+    assert re.search(rf"%(?:{'|'.join(map(re.escape, fused))}) = \S+ "
+                     r"(?:convolution|dot)\(", text)
 
 
 @pytest.mark.parametrize("path", _with(r"^\s*%\S+ = .* while\((?!.*known_trip_count)"),
