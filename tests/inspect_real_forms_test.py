@@ -381,28 +381,32 @@ def _with(pattern):
 
 
 @pytest.mark.parametrize("path", _with(r" async-start\(.*calls=%"), ids=_fixture_id)
-def test_gpu_async_start_form_is_read_as_its_collective(path):
-  """`%all-gather-start = ... async-start(...), calls=%async_computation` is an
-  all-gather pair, as `as_text()`'s `all-gather-start(` is: its kind is that
-  of the one collective its computation holds (GPU also wraps a fused
-  all-reduce so: `%fusion-start`), and it is async."""
+def test_async_start_form_is_read_by_what_it_wraps(path):
+  """GPU: `%all-gather-start = ... async-start(...), calls=%async_computation`
+  is an all-gather pair, as `as_text()`'s `all-gather-start(` is: its kind is
+  that of the one collective its computation holds (GPU also wraps a fused
+  all-reduce so: `%fusion-start`), and it is async. TPU: an `async-start` of
+  a lone slice is an async copy (`as_text()`'s `slice-start`)."""
   text = path.read_text()
   t = Text(text)
   report = OverlapReport.from_hlo(path)
   by_start = {c.start: c for c in report.collectives}
-  wrapped = 0
+  copies = {c.start for c in report.copies}
   for comp in t.schedules():
     for i in t.comps[comp]:
       if i["op"] != "async-start":
         continue
-      found, compute = t.holds(t.callee(i, "calls"))
+      callee = t.callee(i, "calls")
+      found, compute = t.holds(callee)
+      wrapped = [x["op"] for x in t.comps[callee]
+                 if x["op"] not in ("parameter", "tuple", "get-tuple-element")]
       if len(found) == 1 and not compute:
-        wrapped += 1
         assert by_start[i["name"]].kind == found[0]["op"]
         assert by_start[i["name"]].is_async
+      elif wrapped in (["slice"], ["dynamic-slice"]):  # TPU: an async slice
+        assert i["name"] in copies and i["name"] not in by_start
       else:
         assert i["name"] not in by_start
-  assert wrapped, "no async-start wraps a collective here"
 
 
 @pytest.mark.parametrize("path", _with(r"AsyncCollectiveStart"), ids=_fixture_id)
@@ -446,11 +450,11 @@ def test_loops_without_known_trip_count_are_counted_from_their_condition(path):
   assert not [c for c in report.collectives if c.loop and c.trip_count is None]
 
 
-# No committed fixture has an async slice yet: XLA on TPU writes one where it
-# prefetches a large buffer into VMEM in slices (seen in a 4-layer transformer
-# step; the small programs of aot/make_real_fixtures.py did not make one). The
-# start line below is as TPU's as_text() wrote it (jax 0.12.0.1, libtpu 0.0.52,
-# shapes cut down); the dump writes the same op as an `async-start` of a slice.
+# XLA on TPU writes async slices where it prefetches a large buffer into VMEM
+# in slices: readers-tpu_demo_step (the demo's transformer) has them; small
+# programs did not. The same form, small: the start line below is as TPU's
+# as_text() wrote it (jax 0.12.0.1, libtpu 0.0.52, shapes cut down); the dump
+# writes the same op as an `async-start` of a slice.
 _SLICE_AS_TEXT = """HloModule m, is_scheduled=true, num_partitions=8
 ENTRY %main (p: bf16[4,16,128]) -> bf16[1,16,128] {
   %p = bf16[4,16,128]{2,1,0:T(8,128)(2,1)} parameter(0)
@@ -488,3 +492,11 @@ def test_an_async_slice_is_an_async_copy_in_both_forms(text):
       ("slice-start.20", "slice-done.20", 1 * 16 * 128 * 2, 1)]
   assert not report.collectives
   assert count_from_text(text)[1] == [("slice-start.20", 4096, 1)]  # ours agrees
+
+
+@pytest.mark.parametrize("path", _with(r"^\s*%slice-start[\w.]* = "), ids=_fixture_id)
+def test_every_async_slice_of_a_real_fixture_is_a_copy(path):
+  starts = re.findall(r"^\s*%(slice-start[\w.]*) = ", path.read_text(), re.M)
+  report = OverlapReport.from_hlo(path)
+  assert sorted(c.start for c in report.copies if c.start.startswith("slice-start")) \
+      == sorted(starts)

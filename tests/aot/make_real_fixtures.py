@@ -36,6 +36,7 @@ TARGETS = {"gpu": "gpu_h100", "tpu": "tpu_v5e"}
 READER_CASES = {
     "tpu_fsdp32_value_and_grad": ("tpu_v5e", "fsdp32_program"),
     "tpu_loops": ("tpu_v5e", "loops_program"),
+    "tpu_demo_step": ("tpu_v5e", "demo_step_program"),
 }
 READERS = "readers" in sys.argv[1:]
 if len(sys.argv) > 1:
@@ -98,6 +99,32 @@ def loops_program(t):
     return jax.lax.while_loop(lambda c: c[0] < 9, step, (1, x))[1]
   f = rt._smap(t, body, (P("x"), P()))
   return f, (rt.arg(t, (64, 16), P("x")), rt.arg(t, (5, 3, 16, 16)))
+
+
+def demo_step_program(t):
+  """The demo's transformer (2 layers, d 1024, batch 4 a device), one SGD
+  step of its plain-scan loss: XLA on TPU prefetches large buffers into VMEM
+  in slices (`slice-start` in as_text(), `async-start` of a slice in the
+  dump)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from jax_overlap._src.demo import model, training  # noqa: PLC0415
+
+  mesh = Mesh(t.mesh.devices, (training.AXIS,))
+  cfg = model.Config(vocab=256, d=1024, heads=8, hidden=4096, layers=2, seq=128)
+  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
+  specs = model.specs(shapes, training.AXIS)
+  params = jax.tree.map(lambda a, sp: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=NamedSharding(mesh, sp)), shapes, specs)
+  tokens = jax.ShapeDtypeStruct((4 * 8, cfg.seq), jnp.int32,
+                                sharding=NamedSharding(mesh, P(training.AXIS)))
+  _, plain = training.losses_for(cfg, mesh, specs)
+
+  def step(p, tk, tg):
+    value, grads = jax.value_and_grad(plain)(p, tk, tg)
+    return jax.tree.map(lambda a, g: a - 1e-3 * g, p, grads), value
+  return step, (params, tokens, tokens)
 
 
 def _cases():
