@@ -60,8 +60,8 @@ def test_there_is_a_dump_and_an_as_text_for_every_supported_jax():
     assert (REAL / f"{v}.as_text.txt").exists()
 
 
-# The CPU fixtures; the GPU and TPU ones (tests/aot/make_real_fixtures.py) hold
-# forms the reader does not read yet (issue: reading real clusters' output).
+# The CPU fixtures, whose program is known; every fixture, GPU and TPU ones
+# included, is counted by tests/inspect_real_forms_test.py.
 @pytest.mark.parametrize("path", sorted(REAL.glob("cpu-*.txt")), ids=lambda p: p.name)
 def test_collectives_match_an_independent_count(path):
   text = path.read_text()

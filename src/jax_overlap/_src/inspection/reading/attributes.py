@@ -39,8 +39,12 @@ def backend_config(instr: HloInstruction) -> dict[str, Any]:
 
 
 def known_trip_count(instr: HloInstruction) -> int | None:
-  """A while loop's `known_trip_count` from its backend config, if given."""
+  """A while loop's trip count: XLA's `known_trip_count` from its backend
+  config, else what its condition says (`trip_counts.py`, set by the reader
+  on the instruction), else None."""
   count = backend_config(instr).get("known_trip_count")
+  if count is None:
+    return instr.trip_count
   if isinstance(count, dict):
     count = count.get("n")
   try:

@@ -23,7 +23,9 @@ _CALLEE_ATTRIBUTES = ("calls", "to_apply", "body", "condition",
 class HloInstruction:
   """One instruction. `operands` are names (no '%'); `attributes` raw text;
   `operand_text` what stands between the opcode's brackets (a constant's
-  literal, a parameter's number)."""
+  literal, a parameter's number). `trip_count` is set on a `while` whose
+  count its condition says (`trip_counts.py`), for loops without XLA's
+  `known_trip_count`."""
 
   name: str
   opcode: str
@@ -35,6 +37,7 @@ class HloInstruction:
   text: str = ""
   shape_text: str = ""
   operand_text: str = ""
+  trip_count: int | None = None
 
   def callees(self, *keys: str) -> list[str]:
     """Names of the computations this instruction calls through `keys`

@@ -26,6 +26,8 @@ from jax_overlap._src.inspection.errors import HloParseError
 from jax_overlap._src.inspection.reading.hlo_module import (
     MAIN_THREAD, HloComputation, HloInstruction, HloModule)
 from jax_overlap._src.inspection.reading.shapes import parse_shape
+from jax_overlap._src.inspection.reading.async_sugar import expand_async_sugar
+from jax_overlap._src.inspection.reading.trip_counts import annotate_trip_counts
 
 _HEADER = re.compile(r"HloModule\s+%?([^\s,]+)")
 _COMPUTATION = re.compile(r"(ENTRY\s+)?%?([^\s({}]+)\s*(\(.*\)\s*->\s*.*)?\{$")
@@ -200,6 +202,8 @@ class _Reader:
       computations[comp.name] = comp
     module = HloModule(name, attributes, computations, self.source)
     self._check(module, header_line)
+    expand_async_sugar(module)
+    annotate_trip_counts(module)
     return module
 
   def _header(self) -> tuple[str, dict[str, str], int]:

@@ -15,7 +15,13 @@ its own. In each, every collective is found:
   (through fusions and calls) holds exactly one collective and no compute;
   its kind is that collective's, never read from a name. Otherwise it is an
   async computation, whose own schedule is read in turn;
-* `copy-start`/`copy-done` pairs are async copies, kept apart.
+* a TPU async collective fusion chain (`async_fusions.py`: a start
+  fusion, continuation fusions, a done fusion) is one collective, followed
+  through its state from start to done; its continuations' fused compute is
+  in its window (`Pair.continuations`, `Schedule.continuations`);
+* `copy-start`/`copy-done` pairs are async copies, kept apart, and so are
+  async slices (`async-start` of a lone slice; `as_text()`'s `slice-start`
+  is written so by `reading/async_sugar.py`).
 
 The window of a pair is the instructions strictly between start and done
 along that path; its compute (fusions, custom calls, dots, convolutions,
@@ -31,6 +37,7 @@ import re
 from jax_overlap._src.inspection.reading import attributes as attrs
 from jax_overlap._src.inspection.reading.hlo_module import (
     MAIN_THREAD, HloComputation, HloInstruction, HloModule)
+from jax_overlap._src.inspection.schedule import async_fusions
 
 COLLECTIVE_OPCODES = frozenset({
     "all-gather", "all-reduce", "reduce-scatter", "all-to-all",
@@ -53,6 +60,9 @@ class Pair:
   `role` is 'collective', 'copy' or 'call' (an async computation on its own
   thread, kept only so the model can wait for it). `moves` is the path from
   start to done: ('enter', while), ('next', while) or ('exit', while).
+  `continuations` names the continuation fusions of a TPU async collective
+  fusion chain between its start and done (each also in `overlapped` when it
+  fuses compute; `async_fusions.fused_compute` names that compute).
   """
 
   role: str
@@ -71,6 +81,7 @@ class Pair:
   loop: str | None = None
   trip_count: int | None = None
   callee: str | None = None
+  continuations: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def key(self) -> tuple[str, str | None]:
@@ -85,7 +96,8 @@ class Pair:
 class Schedule:
   """What `read_schedule` finds. `schedules` maps each computation that runs
   as a sequence to its thread; `pairs_by_done[(computation, done)]` lists the
-  pairs a done may finish, `pairs_by_start` likewise."""
+  pairs a done may finish, `pairs_by_start` likewise; `continuations[
+  (computation, fusion)]` the chain pairs a continuation fusion carries."""
 
   module: HloModule
   pairs: list[Pair]
@@ -94,6 +106,8 @@ class Schedule:
   pairs_by_start: dict[tuple[str, str], list[Pair]]
   while_parents: dict[str, tuple[str, str]]
   reader: _Reader
+  continuations: dict[tuple[str, str], list[Pair]] = dataclasses.field(
+      default_factory=dict)
 
   def is_compute(self, instr: HloInstruction) -> bool:
     """A compute op holding no collective (fusion, custom call, dot,
@@ -131,12 +145,20 @@ class _Reader:
     self.comps = module.computations
     self._users_cache = {}
     self._holds: dict[str, tuple[list[HloInstruction], bool]] = {}
+    self._roles: dict[int, str | None] = {}
     self.while_parents: dict[str, tuple[str, str]] = {}
     for comp in self.comps.values():
       for instr in comp.instructions:
         if instr.opcode == "while":
           for body in instr.callees("body"):
             self.while_parents.setdefault(body, (comp.name, instr.name))
+
+  def chain_role(self, instr: HloInstruction) -> str | None:
+    """`async_fusions.chain_role`, read once per instruction."""
+    key = id(instr)
+    if key not in self._roles:
+      self._roles[key] = async_fusions.chain_role(instr, self.module)
+    return self._roles[key]
 
   # --- what a computation holds -------------------------------------------
 
@@ -162,7 +184,7 @@ class _Reader:
     wraps = op in ("fusion", "call") or (
         is_start(instr) and op not in _NATIVE_STARTS and op != "copy-start")
     if not wraps:
-      return [], op in COMPUTE_OPCODES
+      return [], op in COMPUTE_OPCODES and not async_fusions.is_marker(instr)
     found, compute = [], False
     for callee in instr.callees("calls", "to_apply"):
       inner, inner_compute = self.holds(callee)
@@ -201,14 +223,38 @@ class _Reader:
                                       "branch_computations",
                                       "true_computation", "false_computation"):
             todo.append((callee, self._thread_of(callee, thread)))
+    pairs += self._unreached_chain_dones(pairs, schedules)
     by_done = collections.defaultdict(list)
     by_start = collections.defaultdict(list)
+    by_continuation = collections.defaultdict(list)
     for pair in pairs:
+      for name in pair.continuations:
+        by_continuation[(pair.computation, name)].append(pair)
       by_start[(pair.computation, pair.start.name)].append(pair)
       if pair.done is not None:
         by_done[(pair.done_computation, pair.done.name)].append(pair)
     return Schedule(self.module, pairs, schedules, dict(by_done),
-                    dict(by_start), self.while_parents, self)
+                    dict(by_start), self.while_parents, self,
+                    dict(by_continuation))
+
+  def _unreached_chain_dones(self, pairs, schedules) -> list[Pair]:
+    """A chain's done that no start reached (a form we do not follow) is
+    kept as a collective of its own, with the collective's bytes."""
+    reached = {(p.done_computation, p.done.name) for p in pairs if p.done}
+    out = []
+    for name, thread in schedules.items():
+      comp = self.comps[name]
+      for instr in comp.instructions:
+        if (name, instr.name) in reached or \
+            self.chain_role(instr) != "done":
+          continue
+        inner = async_fusions.fused_collective(instr, self.module)
+        if inner is None:
+          continue
+        out.append(Pair("collective", _kind(inner), instr, instr, name, name,
+                        thread, is_async=False, bytes=_payload_bytes(inner.shape),
+                        group_size=attrs.group_size(inner, self.module)))
+    return out
 
   def _thread_of(self, comp_name: str, default: str) -> str:
     thread = self.comps[comp_name].execution_thread
@@ -216,6 +262,13 @@ class _Reader:
 
   def _pairs_at(self, comp, instr, thread, todo) -> list[Pair]:
     op = instr.opcode
+    role = self.chain_role(instr)
+    if role == "start" and async_fusions.fused_collective(instr, self.module):
+      inner = async_fusions.fused_collective(instr, self.module)
+      return self._follow(comp, instr, "collective", _kind(inner), thread,
+                          inner, chain=True)
+    if role is not None:
+      return []  # a continuation or done: the start's pair holds it
     if op in COLLECTIVE_OPCODES or (op == "fusion" and
                                     self.instruction_holds(instr)[0]):
       inner = instr if op in COLLECTIVE_OPCODES else \
@@ -239,6 +292,8 @@ class _Reader:
     thread = self._wrapper_thread(instr, thread)
     if not explicit and wrapped in COLLECTIVE_OPCODES:
       return self._follow(comp, instr, "collective", wrapped, thread, instr)
+    if explicit and self._wraps_a_slice(instr):
+      return self._follow(comp, instr, "copy", "copy", thread, None)
     found, compute = self.instruction_holds(instr)
     if len(found) == 1 and not compute:
       inner = found[0]
@@ -250,6 +305,16 @@ class _Reader:
     todo.append((callee, thread))
     return self._follow(comp, instr, "call", "call", thread, None,
                         callee=callee)
+
+  def _wraps_a_slice(self, instr) -> bool:
+    """An async slice (TPU's `slice-start`, a dump's `async-start` of a
+    slice): a transfer by the copy engine, like `copy-start`."""
+    callees = instr.callees("calls")
+    if len(callees) != 1 or callees[0] not in self.comps:
+      return False
+    real = [i.opcode for i in self.comps[callees[0]].instructions
+            if i.opcode not in ("parameter", "tuple", "get-tuple-element")]
+    return real in (["slice"], ["dynamic-slice"])
 
   def _wrapper_thread(self, instr, default) -> str:
     thread = attrs.string_attribute(instr, "async_execution_thread")
@@ -278,13 +343,17 @@ class _Reader:
     return bool(_MEANT_ASYNC.search(attrs.op_name(instr).rsplit("/", 1)[-1]))
 
   def _follow(self, comp, start, role, kind, thread, inner,
-              callee=None) -> list[Pair]:
-    """One pair per done the start's value reaches."""
+              callee=None, chain=False) -> list[Pair]:
+    """One pair per done the start's value reaches (for a fusion chain,
+    `chain`, the done fusion its state reaches)."""
     config = attrs.backend_config(start).get("collective_backend_config", {})
     made_blocking = isinstance(config, dict) and config.get("is_sync") is True
     group = attrs.group_size(inner, self.module) if inner is not None else None
     out = []
-    reached = self._reach(comp, start)
+    continuations: list[str] = []
+    reached = self._reach(comp, start, continuations if chain else None)
+    if chain and not reached:
+      return []  # its done is kept on its own (_unreached_chain_dones)
     if not reached:
       return [Pair(role, kind, start, None, comp.name, None, thread,
                    is_async=not made_blocking, made_blocking=made_blocking,
@@ -293,13 +362,18 @@ class _Reader:
       loop, trip = self._loop(moves)
       window = [] if made_blocking else self._window(comp, start, moves,
                                                      done_comp, done)
-      nbytes = _start_bytes(start) if start.opcode == "send" else \
-          _done_bytes(done)
+      if chain:  # the collective's own result, not the state tuples
+        nbytes = _payload_bytes(inner.shape)
+      elif start.opcode == "send":
+        nbytes = _start_bytes(start)
+      else:
+        nbytes = _done_bytes(done)
       out.append(Pair(role, kind, start, done, comp.name, done_comp.name,
                       thread, is_async=not made_blocking,
                       made_blocking=made_blocking, bytes=nbytes,
                       group_size=group, overlapped=window, moves=moves,
-                      loop=loop, trip_count=trip, callee=callee))
+                      loop=loop, trip_count=trip, callee=callee,
+                      continuations=list(continuations)))
     return out
 
   def _users(self, comp: HloComputation):
@@ -307,9 +381,12 @@ class _Reader:
       self._users_cache[comp.name] = comp.users()
     return self._users_cache[comp.name]
 
-  def _reach(self, comp, start):
+  def _reach(self, comp, start, continuations=None):
     """[(moves, computation, done)] for each done `start`'s value reaches,
-    fewest moves first."""
+    fewest moves first. With `continuations` (a list, filled in), `start`
+    is a fusion chain's: its state passes through the continuations it
+    reaches (named there, in order) to the chain's done."""
+    chain = continuations is not None
     found: dict[tuple[str, str], tuple] = {}
     queue = collections.deque([(comp, start, (), ())])
     seen = set()
@@ -320,6 +397,25 @@ class _Reader:
         continue
       seen.add(state)
       for user, k in self._users(c).get(x.name, []):
+        role = self.chain_role(user) if chain else None
+        if chain and not path and role in ("done", "continuation"):
+          if role == "done":
+            old = found.get((c.name, user.name))
+            if old is None or len(moves) < len(old[0]):
+              found[(c.name, user.name)] = (moves, c, user)
+          else:
+            carried = async_fusions.state_operands(user)
+            if carried is None or k in carried:
+              if user.name not in continuations:
+                continuations.append(user.name)
+              queue.append((c, user, (), moves))
+          continue
+        if chain and not path and user.opcode == "get-tuple-element" and \
+            self._carries_state(x, user):
+          queue.append((c, user, (), moves))
+          continue
+        if chain and is_done(user):
+          continue
         if is_done(user) and not path:
           old = found.get((c.name, user.name))
           if old is None or len(moves) < len(old[0]):
@@ -347,6 +443,17 @@ class _Reader:
         queue.append((parent, parent.by_name[while_name], path,
                       moves + (("exit", while_name),)))
     return sorted(found.values(), key=lambda f: len(f[0]))
+
+  def _carries_state(self, link, gte) -> bool:
+    """Whether `gte`, an element of chain link `link`, is chain state."""
+    role = self.chain_role(link)
+    if role == "start":
+      return True
+    if role != "continuation":
+      return False
+    index = attrs.integer_list(gte.attributes.get("index"))
+    state = async_fusions.state_outputs(link)
+    return bool(index) and (state is None or index[0] in state)
 
   def _loop(self, moves) -> tuple[str | None, int | None]:
     if not moves:
