@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import importlib.metadata
 import json
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -537,6 +537,8 @@ def main() -> int:
           "wall_s": time.perf_counter() - started, "tpu_flags": TPU_FLAGS,
           "gpu_flags": GPU_FLAGS, "variants": VARIANT_NOTES}
   write(pathlib.Path(opts.out), meta, records, reading, checks, keep_hlo=opts.keep_hlo)
+  if not opts.keep_hlo:
+    shutil.rmtree(hlo_dir, ignore_errors=True)
   return 0
 
 
