@@ -5,14 +5,16 @@
 #   make test-jaxX     the test suite on jax X alone
 #   make fuzz N=500    the differential fuzz tests on N random programs each, on the newest jax
 #   make demo          `jax-overlap demo` on the newest jax (DEMO_ARGS: e.g. --steps 50)
-#   make bench         benchmarks/bench.py on every supported jax
+#   make bench         benchmarks/bench.py on every supported jax, then make bench-aot
+#   make bench-aot     benchmarks/bench_vs_xla.py: fsdp_scan against XLA's own overlap on the
+#                      real TPU v5e / H100 compilers, ahead of time, in .venv-aot
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
 #   make test-aot      tests/aot/ (the real TPU and GPU compilers, ahead of time) in .venv-aot
 #   make venvs         create/refresh every venv without testing
 #   make clean         remove the venvs and build leftovers
 #
 # Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
-# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick), N (random programs per fuzz
+# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick), BENCH_AOT_ARGS (e.g. --layers 4), N (random programs per fuzz
 # test), PY311 / PY312 (override the interpreters found below).
 #
 # Each jax version gets its own venv, .venv-jaxX, built from nothing by its stamp
@@ -127,7 +129,12 @@ fuzz: $(call stamp,$(NEWEST))
 demo: $(call stamp,$(NEWEST))
 	$(call venv,$(NEWEST))/bin/jax-overlap demo $(DEMO_ARGS)
 
-bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v))
+bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v)) bench-aot
+
+# Writes benchmarks/results/bench-vs-xla.{md,json}; one compile a process (about 15 min on 2 cores).
+.PHONY: bench-aot
+bench-aot: $(AOT_VENV)/.installed
+	PYTHONPATH=$(CURDIR)/src $(AOT_VENV)/bin/python benchmarks/bench_vs_xla.py $(BENCH_AOT_ARGS)
 
 # --- conformance --------------------------------------------------------------
 CONFORMANCE_RUN := ../shared/conformance/run.sh

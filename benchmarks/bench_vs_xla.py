@@ -1,0 +1,590 @@
+"""Benchmark: fsdp_scan against what XLA does by itself, on the real compilers.
+
+The demo's FSDP training step (the transformer of jax_overlap's demo: its
+blocks stacked and sharded over 8 devices) is compiled ahead of time, with
+no accelerator, by the real TPU compiler (libtpu, a v5e 2x4 slice) and the
+real GPU compiler (the CUDA plugin, 8 H100s of one host), in four versions:
+
+  plain scan            `lax.scan` over the sharded stacked weights, each layer's
+                        weights `lax.all_gather`ed in the body; XLA's defaults.
+  plain scan + XLA flags  the same program with XLA's own overlap options:
+                        GPU `xla_gpu_pipeline_all_gather` /
+                        `xla_gpu_pipeline_reduce_scatter` = COLLECTIVE_PIPELINING_MODE_ON
+                        (compile options); TPU the async collective fusion
+                        flags (LIBTPU_INIT_ARGS, so a process of its own).
+  hand-written pipeline the conformance suite's unrolled FSDP pipeline
+                        (../shared/conformance/seed_overlap_test.py,
+                        test_unrolled_fsdp_pipeline_grad_program_order_shmap)
+                        with jax's own `jax.experimental.overlap.program_order`,
+                        written for this model: gather layer i+1 inside an
+                        unordered block with layer i, two layers a scan step.
+  fsdp_scan             `jax_overlap.fsdp_scan`.
+
+Each compiled module (`compile().as_text()`) is read by the library's own
+inspector (`jax_overlap.OverlapReport.from_hlo`, what `jax-overlap inspect
+FILE` runs) on the matching profile (h100, tpu-v5e): modelled communication,
+modelled exposed communication and the report's bound; and the compile time
+of each as a ratio to the plain scan's (one compile each, on this machine).
+Every figure but compile time is modelled, not measured.
+
+  .venv-aot/bin/python benchmarks/bench_vs_xla.py [--layers 4 24] [--targets tpu_v5e gpu_h100]
+
+(`make bench-aot`; `make bench` calls it.) Writes
+benchmarks/results/bench-vs-xla.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+SPECS = ROOT / "tests" / "aot" / "specs"
+
+#: target -> (platform, topology, GPU target config, hardware profile, label)
+TARGETS = {
+    "tpu_v5e": ("tpu", "v5e:2x4", None, "tpu-v5e", "TPU v5e 2x4"),
+    "gpu_h100": ("cuda", "1x1x8", "NVIDIA_H100_80GB_HBM3.txtpb", "h100",
+                 "H100 1x1x8"),
+}
+VARIANTS = ("plain scan", "plain scan + XLA flags", "hand-written pipeline",
+            "fsdp_scan")
+
+#: XLA's own overlap options for the plain scan.
+GPU_FLAGS = {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
+             "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON"}
+TPU_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
+             "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+             "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+             "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=true "
+             "--xla_tpu_overlap_compute_collective_tc=true "
+             "--xla_enable_async_all_gather=true")
+
+#: The model: the demo's block. The width sets the modelled times, not what is
+#: compiled; at 1024 a layer's matmuls (about 55 us forward on h100, 260 on
+#: tpu-v5e, by hand) and its six gathers (about 160 and 470 us) are of the same
+#: order on both profiles (the table prints the inspector's own compute).
+SHAPES = dict(d=1024, hidden=4096, heads=8, seq=128, vocab=256,
+              batch_per_device=16)
+AXIS = "d"
+
+
+# --- the child: one process compiles one target under one environment -------------
+
+def _mesh(target: str):
+  import jax  # noqa: PLC0415
+  from jax.experimental import topologies  # noqa: PLC0415
+  plat, topo_name, spec, _, _ = TARGETS[target]
+  if plat == "tpu":
+    topo = topologies.get_topology_desc(topology_name=topo_name, platform="tpu")
+  else:
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=(SPECS / spec).read_text(),
+        topology=topo_name)
+  return jax.sharding.Mesh(list(topo.devices), (AXIS,))
+
+
+def _pipeline_blocks(block, x, blocks):
+  """The conformance suite's hand-written FSDP pipeline, with jax's own
+  program_order: layer i+1's gather in one unordered block with layer i's
+  compute, blocks in written order, two layers a scan step."""
+  import jax  # noqa: PLC0415
+  from jax import lax  # noqa: PLC0415
+  from jax.experimental.overlap import program_order  # noqa: PLC0415
+
+  gather = lambda shard: jax.tree.map(
+      lambda a: lax.all_gather(a, AXIS, axis=0, tiled=True), shard)
+  layer = lambda i: jax.tree.map(lambda a: a[i], blocks)
+  n = jax.tree.leaves(blocks)[0].shape[0]
+
+  def step(x, w, w_next_shard):
+    @program_order(enforce=False)
+    def inner():
+      return block(x, w), gather(w_next_shard)
+    return inner()
+
+  pairs = (n - 1) // 2
+  @program_order(enforce=True)
+  def body(carry, two_shards):
+    x, w = carry
+    x, w = step(x, w, jax.tree.map(lambda a: a[0], two_shards))
+    x, w = step(x, w, jax.tree.map(lambda a: a[1], two_shards))
+    return (x, w), None
+
+  w = gather(layer(0))
+  rest = jax.tree.map(lambda a: a[1:1 + 2 * pairs].reshape(pairs, 2, *a.shape[1:]),
+                      blocks)
+  (x, w), _ = lax.scan(body, (x, w), rest)
+  if (n - 1) % 2:
+    x, w = program_order(enforce=True)(step)(x, w, layer(n - 1))
+  return block(x, w)
+
+
+def _step(variant: str, cfg, mesh, specs):
+  import jax  # noqa: PLC0415
+  from jax import lax  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from jax_overlap._src.demo import model, training  # noqa: PLC0415
+  assert training.AXIS == AXIS
+  ours, plain = training.losses_for(cfg, mesh, specs)
+  if variant == "fsdp_scan":
+    loss = ours
+  elif variant.startswith("plain scan"):
+    loss = plain
+  else:
+    @jax.shard_map(mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)), out_specs=P())
+    def loss(params, tokens, targets):
+      out = model.logits(cfg, params, tokens, _pipeline_blocks)
+      return lax.pmean(model.cross_entropy(out, targets), AXIS)
+
+  # SGD: the optimizer is elementwise on the sharded leaves, so it moves no
+  # data; adam's state would only add abstract arguments to lay out.
+  def train_step(params, tokens, targets):
+    value, grads = jax.value_and_grad(loss)(params, tokens, targets)
+    return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), value
+  return train_step
+
+
+def child(target: str, variants: list[str], layers: list[int], out_dir: str) -> None:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from jax_overlap._src.demo import model  # noqa: PLC0415
+  mesh = _mesh(target)
+  s = SHAPES
+  for n in layers:
+    cfg = model.Config(vocab=s["vocab"], d=s["d"], heads=s["heads"],
+                       hidden=s["hidden"], layers=n, seq=s["seq"])
+    shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
+    specs = model.specs(shapes, AXIS)
+    params = jax.tree.map(
+        lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                           sharding=NamedSharding(mesh, sp)),
+        shapes, specs)
+    tokens = jax.ShapeDtypeStruct((s["batch_per_device"] * 8, cfg.seq), jnp.int32,
+                                  sharding=NamedSharding(mesh, P(AXIS)))
+    for variant in variants:
+      rec = {"target": target, "variant": variant, "layers": n}
+      options = (GPU_FLAGS if variant == "plain scan + XLA flags"
+                 and TARGETS[target][0] == "cuda" else None)
+      try:
+        t0 = time.perf_counter()
+        lowered = jax.jit(_step(variant, cfg, mesh, specs)).lower(params, tokens, tokens)
+        t1 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=options)
+        t2 = time.perf_counter()
+        path = pathlib.Path(out_dir) / f"{target}-{variant.replace(' ', '_')}-{n}.txt"
+        path.write_text(compiled.as_text())
+        rec.update(trace_lower_s=t1 - t0, compile_s=t2 - t1, hlo=str(path))
+        try:
+          rec["temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
+        except Exception:  # noqa: BLE001 - not every backend reports it ahead of time
+          rec["temp_bytes"] = None
+      except Exception as e:  # noqa: BLE001 - a failed compile is a result
+        rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+      print("RESULT " + json.dumps(rec), flush=True)
+
+
+
+# --- the parent: one process per compile, then the library's inspector ---------------
+
+def _child_env(target: str, variant: str) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  if TARGETS[target][0] == "tpu" and variant == "plain scan + XLA flags":
+    env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " " + TPU_FLAGS).strip()
+  return env
+
+
+def _crash_line(stderr: str) -> str:
+  """The line that says why a compiler died (its CHECK or error), else the last."""
+  lines = [l.strip() for l in stderr.splitlines() if l.strip()]
+  for key in ("Check failed", "INTERNAL:", "Error", "error"):
+    hits = [l for l in lines if key in l and "WARNING" not in l]
+    if hits:
+      return hits[0][:600]
+  return lines[-1][:600] if lines else ""
+
+
+def compile_one(target: str, variant: str, layers: int, out_dir: str,
+                timeout: float) -> dict:
+  """Compiles one program in a process of its own (a compiler that aborts
+  takes only that process down; libtpu reads its flags once a process)."""
+  rec = {"target": target, "variant": variant, "layers": layers}
+  cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", target,
+         variant, str(layers), out_dir]
+  t0 = time.perf_counter()
+  try:
+    run = subprocess.run(cmd, env=_child_env(target, variant), capture_output=True,
+                         text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    rec["error"] = f"the compile did not finish in {timeout:.0f} s"
+    return rec
+  rec["process_s"] = time.perf_counter() - t0
+  for line in run.stdout.splitlines():
+    if line.startswith("RESULT "):
+      rec.update(json.loads(line[len("RESULT "):]))
+      return rec
+  how = (f"signal {-run.returncode}" if run.returncode < 0 else f"exit {run.returncode}")
+  rec["error"] = f"the compiler process died ({how}): {_crash_line(run.stderr)}"
+  return rec
+
+
+def async_fusion_chains(text: str) -> int:
+  """TPU async collectives: `%async-collective-start...` fusions in the module."""
+  return sum(1 for line in text.splitlines()
+             if line.lstrip().startswith("%async-collective-start")
+             and " fusion(" in line)
+
+
+def inspect_one(rec: dict) -> None:
+  """Adds the library inspector's modelled figures to `rec` (public API:
+  `OverlapReport.from_hlo`, what `jax-overlap inspect FILE --json` prints)."""
+  import jax_overlap  # noqa: PLC0415
+  if "hlo" not in rec:
+    return
+  text = pathlib.Path(rec["hlo"]).read_text()
+  report = jax_overlap.OverlapReport.from_hlo(text, hardware=TARGETS[rec["target"]][3])
+  t = report.totals
+  rec.update(comm_s=t["comm_s"], exposed_s=t["exposed_s"],
+             bound_exposed_s=t["bound_exposed_s"], compute_s=report.compute_s,
+             step_s=report.step_s, collectives=len(report.collectives),
+             read_async=sum(bool(c.is_async) for c in report.collectives),
+             read_blocking=sum(bool(c.made_blocking) for c in report.collectives),
+             unknown_trip=sum(c.loop is not None and c.trip_count is None
+                              for c in report.collectives),
+             async_fusion_chains=async_fusion_chains(text),
+             chains_read_async=sum(bool(c.is_async) and "async-collective" in c.start
+                                   for c in report.collectives))
+
+
+def inspector_reading(records: list[dict]) -> dict[str, str]:
+  """Per target, which reading of the compiled modules the figures rest on."""
+  out = {}
+  for target in {r["target"] for r in records}:
+    rs = [r for r in records if r["target"] == target and "comm_s" in r]
+    chains = sum(r["async_fusion_chains"] for r in rs)
+    chains_async = sum(r.get("chains_read_async", 0) for r in rs)
+    read_async = sum(r["read_async"] for r in rs)
+    blocking = sum(r["read_blocking"] for r in rs)
+    n = sum(r["collectives"] for r in rs)
+    unknown = sum(r.get("unknown_trip", 0) for r in rs)
+    loops = (f"; {unknown} of {n} collectives are in `while` loops whose trip count "
+             "the inspector does not find (TPU loops carry no `known_trip_count`; the "
+             "bound is in the condition), each modelled as running once, so the "
+             "communication and compute of a scan's body are counted once, not once "
+             "per layer (issue 17 reads trip counts from conditions)"
+             if unknown else "; every loop's trip count read")
+    if chains and chains_async < chains:
+      out[target] = (
+          f"MISREADS the TPU async collective fusion chains: the modules hold "
+          f"{chains} `%async-collective-start` fusion chains, of which the inspector "
+          f"reads {chains_async} as an async collective (it reads the chain's start, "
+          "continuation and done fusions as blocking collectives of their own); of "
+          f"all {n} collectives it reads {read_async} as async (fsdp_scan's "
+          f"`all-gather-start` pairs) and {blocking} as blocking, so XLA's async "
+          "collectives overlap nothing in this reading and their exposed time is "
+          "their whole time (issue 17 reads the chains)" + loops)
+    elif chains:
+      out[target] = (f"reads the TPU async collective fusion chains ({chains} chains; "
+                     f"{read_async} of {n} collectives read as async)" + loops)
+    else:
+      out[target] = (f"async start/done pairs: {read_async} of {n} collectives "
+                     f"read as async, {blocking} blocking" + loops)
+  return out
+
+
+def _git(*args: str) -> str:
+  try:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
+                          text=True, timeout=30).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+
+
+def versions() -> dict:
+  out = {"python": platform.python_version()}
+  for dist in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+               "nvidia-cuda-nvcc-cu12"):
+    try:
+      out[dist] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      out[dist] = None
+  import jax_overlap  # noqa: PLC0415
+  commit = _git("rev-parse", "--short", "HEAD")
+  dirty = bool(_git("status", "--porcelain", "--", "src"))
+  out["jax_overlap"] = (f"{jax_overlap.__version__} from {pathlib.Path(jax_overlap.__file__).parent}"
+                        f" (git {commit or '?'}{', src modified' if dirty else ''})")
+  return out
+
+
+
+# --- the tables -------------------------------------------------------------------------
+
+def _us(v) -> str:
+  return "-" if v is None else f"{v * 1e6:,.0f}"
+
+
+def _find(records, target, layers, variant):
+  for r in records:
+    if (r["target"], r["layers"], r["variant"]) == (target, layers, variant):
+      return r
+  return None
+
+
+def targets_checked(records: list[dict], reading: dict[str, str]) -> list[dict]:
+  """The issue's target, per hardware and size: fsdp_scan exposes no more
+  than any other version; at 24 blocks within 5% of the bound."""
+  rows = []
+  for target in TARGETS:
+    misread = reading.get(target, "").startswith("MISREADS")
+    sizes = sorted({r["layers"] for r in records if r["target"] == target})
+    for n in sizes:
+      ours = _find(records, target, n, "fsdp_scan")
+      if ours is None:
+        continue
+      label = f"{TARGETS[target][4]}, {n} blocks"
+      if "comm_s" not in ours:
+        rows.append({"target": f"{label}: fsdp_scan exposes no more than any other",
+                     "measured": "-", "holds": False,
+                     "why": f"fsdp_scan did not compile: {ours['error']}"})
+        continue
+      others = [r for r in records if r["target"] == target and r["layers"] == n
+                and r["variant"] != "fsdp_scan"]
+      less = [r for r in others if "comm_s" in r
+              and r["exposed_s"] < ours["exposed_s"] * (1 - 1e-9)]
+      why = []
+      if less:
+        why.append(", ".join(f"{r['variant']} exposes {_us(r['exposed_s'])} us of "
+                             f"{_us(r['comm_s'])} us" for r in less)
+                   + f" (fsdp_scan: {_us(ours['exposed_s'])} of {_us(ours['comm_s'])} us)")
+      if any(r.get("unknown_trip") for r in less + [ours]):
+        why.append("TPU loop trip counts are not read (issue 17): each loop body's "
+                   "collectives count once, so the plain scan's 'communication' is one "
+                   "layer's forward and backward, whatever the depth, while fsdp_scan's "
+                   "peeled iterations count in full")
+      if any(r["comm_s"] < ours["comm_s"] for r in less):
+        why.append(
+            "the plain scan moves less: its forward saves every layer's gathered "
+            f"weights for the backward (stacked [{n}, ...] weight residuals in its "
+            "module), where fsdp_scan saves activations only and gathers the weights "
+            "again in the backward (twice the gathers, the memory of one layer's "
+            "weights instead of all of them)")
+      if less and misread:
+        why.append("the inspector reads TPU async collective fusion chains as blocking "
+                   "(issue 17), so the collectives XLA made async count as wholly exposed")
+      failed = [r for r in others if "comm_s" not in r]
+      for r in failed:
+        why.append(f"{'' if less else 'caveat: '}{r['variant']} did not compile "
+                   "(not compared)")
+      best = min((r["exposed_s"] for r in others if "comm_s" in r), default=None)
+      rows.append({"target": f"{label}: fsdp_scan exposes no more than any other",
+                   "measured": f"{_us(ours['exposed_s'])} us; least of the others "
+                               f"{_us(best)} us",
+                   "holds": not less, "why": "; ".join(why)})
+      if n == max(sizes):
+        share = ((ours["exposed_s"] - ours["bound_exposed_s"]) / ours["comm_s"]
+                 if ours["comm_s"] else 0.0)
+        why = []
+        if share > 0.05:
+          if misread:
+            why.append("the inspector reads TPU async collective fusion chains as "
+                       "blocking (issue 17): every collective counts as exposed")
+          why.append(f"the bound ({_us(ours['bound_exposed_s'])} us) is today's "
+                     "perfect schedule, not yet dependency-aware (issue 17): it "
+                     "hides every collective behind any compute, also the first "
+                     "gathers of each pass and the last reduce-scatters, which no "
+                     "schedule can hide")
+        rows.append({"target": f"{label}: fsdp_scan within 5% of the bound "
+                               "((exposed - bound) / communication)",
+                     "measured": f"{share:.1%}", "holds": share <= 0.05,
+                     "why": "; ".join(why)})
+  return rows
+
+
+def _gib(b) -> str:
+  return "?" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict]) -> str:
+  out = ["# fsdp_scan against what XLA does by itself (real compilers, ahead of time)",
+         "",
+         f"Made by `{meta['command']}` on {meta['date']} ({meta['wall_s']:.0f} s wall, "
+         f"{meta['cores']} cores)"
+         + (f"; modules read again by `--reinspect` on {meta['reinspected']}"
+            if meta.get("reinspected") else "") + ". Versions: "
+         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".",
+         "",
+         "All times but compile times are **modelled** by jax_overlap's inspector "
+         "(`OverlapReport.from_hlo` on `compile().as_text()`, the reading `jax-overlap "
+         "inspect FILE` gives) on the matching profile (h100, tpu-v5e), not measured. "
+         f"Model: the demo's transformer, {meta['shapes_line']}; the training step is "
+         "`value_and_grad` of the loss plus an SGD update. Compile time: one compile "
+         "each, in a process of its own, on this machine; the ratio is to the plain "
+         "scan's for the same target and size.",
+         "",
+         "Inspector reading used:",
+         ""]
+  for target, line in sorted(reading.items()):
+    out.append(f"- {TARGETS[target][4]}: {line}.")
+  out += ["",
+          "| target | blocks | version | communication (us) | exposed (us) | bound (us) "
+          "| (exposed - bound) / comm | compute (us) | compile (s) | compile / plain "
+          "| temp | note |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    base = _find(records, r["target"], r["layers"], "plain scan")
+    ratio = ("-" if "compile_s" not in r or base is None or "compile_s" not in base
+             else f"{r['compile_s'] / base['compile_s']:.2f}")
+    if "comm_s" in r:
+      share = (r["exposed_s"] - r["bound_exposed_s"]) / r["comm_s"] if r["comm_s"] else 0
+      cells = [_us(r["comm_s"]), _us(r["exposed_s"]), _us(r["bound_exposed_s"]),
+               f"{share:.1%}", _us(r["compute_s"]), f"{r['compile_s']:.1f}", ratio,
+               _gib(r.get("temp_bytes")),
+               f"{r['collectives']} collectives, {r['read_async']} read async"]
+    else:
+      err = r["error"].replace("|", "\\|").replace("\n", " ")
+      cells = ["-"] * 8 + [f"**failed**: {err}"]
+    out.append(f"| {TARGETS[r['target']][4]} | {r['layers']} | {r['variant']} | "
+               + " | ".join(cells) + " |")
+  out += ["", "Compute is the inspector's modelled compute of the whole step. It grows "
+          "faster than the depth (the inspector costs each in-place "
+          "`dynamic-update-slice` of a stacked loop buffer as a write of the whole "
+          "buffer, so a scan's residual stacking grows with blocks squared), which "
+          "leaves more compute to hide communication behind at 24 blocks than a real "
+          "step has."]
+  out += ["", "Target (issue 16): `fsdp_scan` exposes no more than any other version "
+          "on both, and is within 5% of the (dependency-aware) bound at 24 blocks.", "",
+          "| target | measured | holds | why not |", "|---|---|---|---|"]
+  for c in checks:
+    out.append(f"| {c['target']} | {c['measured']} | {'yes' if c['holds'] else 'NO'} "
+               f"| {c['why'] or '-'} |")
+  out += ["", "Versions compared: " + "; ".join(
+      f"**{k}**: {v}" for k, v in VARIANT_NOTES.items()), ""]
+  return "\n".join(out)
+
+
+VARIANT_NOTES = {
+    "plain scan": "`lax.scan` whose body `lax.all_gather`s the layer's shards; XLA's defaults",
+    "plain scan + XLA flags": "the same; GPU compile options " + ", ".join(
+        f"`{k}={v}`" for k, v in GPU_FLAGS.items()) + f"; TPU `LIBTPU_INIT_ARGS='{TPU_FLAGS}'`",
+    "hand-written pipeline": "the conformance suite's unrolled FSDP pipeline "
+        "(seed_overlap_test.py, `test_unrolled_fsdp_pipeline_grad_program_order_shmap`) "
+        "on this model, with jax's own `jax.experimental.overlap.program_order`",
+    "fsdp_scan": "`jax_overlap.fsdp_scan(block, x, blocks, axis='d')`",
+}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, nargs="+", default=[4, 24])
+  parser.add_argument("--targets", nargs="+", choices=list(TARGETS),
+                      default=list(TARGETS))
+  parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+  parser.add_argument("--timeout", type=float, default=900,
+                      help="seconds one compile may take")
+  parser.add_argument("--keep-hlo", metavar="DIR",
+                      help="keep the compiled modules (as_text) in DIR")
+  parser.add_argument("--out", default=str(RESULTS),
+                      help="where bench-vs-xla.{md,json} go")
+  parser.add_argument("--reinspect", metavar="JSON",
+                      help="compile nothing: read again the modules a run with "
+                      "--keep-hlo kept (its bench-vs-xla.json), e.g. after the "
+                      "inspector changed")
+  opts = parser.parse_args()
+  if opts.reinspect:
+    return reinspect(pathlib.Path(opts.reinspect), pathlib.Path(opts.out))
+  started = time.perf_counter()
+  command = "python benchmarks/bench_vs_xla.py " + " ".join(sys.argv[1:])
+  s = SHAPES
+  shapes_line = (f"d {s['d']}, hidden {s['hidden']}, {s['heads']} heads, seq "
+                 f"{s['seq']}, vocab {s['vocab']}, {s['batch_per_device']} sequences "
+                 "a device on 8 devices, f32, blocks sharded over the 8")
+  print(f"bench_vs_xla: {shapes_line}", flush=True)
+  hlo_dir = opts.keep_hlo or tempfile.mkdtemp(prefix="bench-vs-xla-")
+  pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+  records = []
+  for target in opts.targets:
+    for n in opts.layers:
+      for variant in opts.variants:
+        rec = compile_one(target, variant, n, hlo_dir, opts.timeout)
+        inspect_one(rec)
+        records.append(rec)
+        state = (f"compile {rec['compile_s']:.1f} s, exposed {_us(rec.get('exposed_s'))}"
+                 f" of {_us(rec.get('comm_s'))} us" if "compile_s" in rec
+                 else f"FAILED: {rec['error'][:300]}")
+        print(f"  {TARGETS[target][4]}, {n} blocks, {variant}: {state}", flush=True)
+  reading = inspector_reading(records)
+  for target, line in sorted(reading.items()):
+    print(f"inspector reading, {TARGETS[target][4]}: {line}", flush=True)
+  checks = targets_checked(records, reading)
+  meta = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc)
+          .strftime("%Y-%m-%d %H:%M UTC"), "versions": versions(),
+          "cores": os.cpu_count(), "shapes": SHAPES, "shapes_line": shapes_line,
+          "wall_s": time.perf_counter() - started, "tpu_flags": TPU_FLAGS,
+          "gpu_flags": GPU_FLAGS, "variants": VARIANT_NOTES}
+  write(pathlib.Path(opts.out), meta, records, reading, checks, keep_hlo=opts.keep_hlo)
+  if not opts.keep_hlo:
+    shutil.rmtree(hlo_dir, ignore_errors=True)
+  return 0
+
+
+INSPECTED = ("comm_s", "exposed_s", "bound_exposed_s", "compute_s", "step_s",
+             "collectives", "read_async", "read_blocking", "unknown_trip",
+             "async_fusion_chains", "chains_read_async")
+
+
+def reinspect(path: pathlib.Path, out: pathlib.Path) -> int:
+  data = json.loads(path.read_text())
+  records = data["records"]
+  for r in records:
+    for k in INSPECTED:
+      r.pop(k, None)
+    if "hlo" in r and not pathlib.Path(r["hlo"]).exists():
+      r["error"] = f"its module {r.pop('hlo')} is gone: rerun the compiles"
+    inspect_one(r)
+  reading = inspector_reading(records)
+  for target, line in sorted(reading.items()):
+    print(f"inspector reading, {TARGETS[target][4]}: {line}", flush=True)
+  meta = data["meta"]
+  meta["versions"]["jax_overlap"] = versions()["jax_overlap"]
+  meta["reinspected"] = (datetime.datetime.now(datetime.timezone.utc)
+                         .strftime("%Y-%m-%d %H:%M UTC"))
+  write(out, meta, records, reading, targets_checked(records, reading), keep_hlo=True)
+  return 0
+
+
+def write(out: pathlib.Path, meta, records, reading, checks, keep_hlo) -> None:
+  text = markdown(meta, records, reading, checks)
+  print("\n" + text)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "bench-vs-xla.md").write_text(text + "\n")
+  kept = records if keep_hlo else [{k: v for k, v in r.items() if k != "hlo"}
+                                     for r in records]
+  (out / "bench-vs-xla.json").write_text(json.dumps(
+      {"meta": meta, "inspector_reading": reading, "records": kept,
+       "targets": checks}, indent=2) + "\n")
+  print(f"wrote {out / 'bench-vs-xla.md'} and bench-vs-xla.json", flush=True)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
+  child(sys.argv[2], sys.argv[3].split(","), [int(n) for n in sys.argv[4].split(",")],
+        sys.argv[5])
+  sys.exit(0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
