@@ -9,6 +9,7 @@ profile parses.
 
 from __future__ import annotations
 
+import doctest
 import json
 import pathlib
 import re
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
 from jax_overlap._src.cli.main import main
-from jax_overlap._src.inspection.measured import intervals, wire
+from jax_overlap._src.inspection.measured import classify, intervals, measure, wire
 from jax_overlap._src.inspection.measured.hlo_proto import running_jaxlib
 from jax_overlap._src.inspection.measured.xplane import read_space
 
@@ -315,6 +316,13 @@ def test_wire_reader_and_intervals():
   u = intervals.union([(5, 6), (0, 2), (1, 3), (3, 4)])
   assert u == [(0, 4), (5, 6)]
   assert intervals.intersect(u, [(3.5, 5.5)]) == [(3.5, 4), (5, 5.5)]
+
+
+@pytest.mark.parametrize("module", [intervals, wire, classify, measure],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "malformed", "no-profile-dir",

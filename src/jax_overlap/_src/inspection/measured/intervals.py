@@ -4,7 +4,7 @@ counted once.
 Example:
   >>> u = union([(0, 4), (2, 6), (8, 9)])
   >>> u, length(u), length(intersect(u, [(3, 8.5)]))
-  ([(0, 6), (8, 9)], 7, 3.5)
+  ([(0, 6), (8, 9)], 7.0, 3.5)
 """
 
 from __future__ import annotations
