@@ -36,6 +36,11 @@ def rows(report) -> list[list[str]]:
   return out
 
 
+_EXPLAINED = {"waits for peers": (
+    "waits for peers: part of `measured` passed before the last device started "
+    "the same run (the `waiting` column; per device in --json)")}
+
+
 def short(flag: str) -> str:
   """A flag's label: what stands before its explanation."""
   if "waiting for peers" in flag:
@@ -69,7 +74,7 @@ def render(report) -> str:
   explained = {}
   for r in report.measured:
     for f in r.flags:
-      explained.setdefault(short(f), f)
+      explained.setdefault(short(f), _EXPLAINED.get(short(f), f))
   lines += [f"flag: {f}" for f in explained.values()]
   lines += [f"note: {n}" for n in report.notes]
   return "\n".join(lines) + "\n"
