@@ -26,6 +26,7 @@ from jax_overlap._src.inspection.measured import hlo_proto
 
 _DEVICE_PLANE = re.compile(r"^/device:(GPU|TPU|CPU):(\d+)")
 HOST_PLANE = "/host:CPU"
+TPU_OPS_LINE = "XLA Ops"  # not checked on a real TPU capture
 
 
 class ProfileReadError(ValueError):
@@ -143,6 +144,8 @@ def _collect(plane, device, out) -> list[TimedEvent]:
   for line in plane.lines:
     for event in line.events:
       stats = dict(event.stats)
+      if device is not None and "hlo_op" not in stats and line.name == TPU_OPS_LINE:
+        stats["hlo_op"] = event.name  # TPU names its op events by the op
       ordinal = stats.get("device_ordinal")
       if device is None and (ordinal is None or "hlo_op" not in stats):
         continue
