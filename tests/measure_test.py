@@ -318,6 +318,19 @@ def test_wire_reader_and_intervals():
   assert intervals.intersect(u, [(3.5, 5.5)]) == [(3.5, 4), (5, 5.5)]
 
 
+@pytest.mark.parametrize("name, kind", [
+    ("all-gather-start.1", "all-gather"), ("all-gather-done.1", None),
+    ("psum_invariant.7", "all-reduce"), ("psum_scatter.2", "reduce-scatter"),
+    ("ppermute.3", "collective-permute"), ("all_to_all.1", "all-to-all"),
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+     "reduce-scatter"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "collective-permute"),
+    ("triton_all_reduce_one_shot", "all-reduce"), ("loop_add_fusion", None),
+    ("while.2", None)])
+def test_kinds_from_names(name, kind):
+  assert classify.kind_from_name(name) == kind
+
+
 @pytest.mark.parametrize("module", [intervals, wire, classify, measure],
                          ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_docstring_examples_run(module):
