@@ -237,9 +237,12 @@ def measured_line(train_step, params, opt_state, batch) -> str:
           f"of collectives a device exposed "
           f"({mean('hidden_s') / mean('comm_s'):.0%} hidden).")
   if report.backend == "cpu":
-    line += (" On CPU every collective is blocking, so all of it is exposed, "
-             "and these are times of threads meeting in memory, not of a "
-             "network: measure on GPUs for the figure that matters.")
+    line += (" On CPU the runtime blocks on collectives, so "
+             + ("all" if not mean("hidden_s") else "nearly all (only independent "
+                "work on its other threads ran beside them)")
+             + " of it is exposed, and these are times of threads meeting in "
+             "memory, not of a network: measure on GPUs for the figure that "
+             "matters.")
   return line
 
 

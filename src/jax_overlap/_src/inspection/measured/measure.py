@@ -3,6 +3,7 @@ what its collectives measured, beside the modelled report of the same module."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 import tempfile
 
@@ -68,11 +69,15 @@ def measure(fn, *args, steps: int = 3, warmup: int = 1, hardware=None,
   for _ in range(warmup):
     jax.block_until_ready(jitted(*args, **kwargs))
   with tempfile.TemporaryDirectory(prefix="jax_overlap_measure_") as tmp:
-    where = tmp if profile_dir is None else profile_dir
+    where = pathlib.Path(tmp if profile_dir is None else profile_dir)
+    before = set(where.rglob("*.xplane.pb"))
     with jax.profiler.trace(str(where)):
       for _ in range(steps):
         jax.block_until_ready(jitted(*args, **kwargs))
-    capture = read_capture(where)
+    # Only this call's capture, not an older one kept in profile_dir.
+    new = sorted(set(where.rglob("*.xplane.pb")) - before,
+                 key=lambda f: f.stat().st_mtime)
+    capture = read_capture(new[-1] if new else where)
   modules = {module} if any(e.module == module for e in capture.events) else None
   return MeasuredReport.from_capture(capture, hardware=hardware,
                                      modules=modules, steps=steps)

@@ -138,9 +138,12 @@ class MeasuredReport:
     elif not records:
       notes.append("no collectives ran in this profile")
     if capture.backend == "cpu" and records:
-      notes.append("on CPU every collective is blocking: the runtime runs "
-                   "nothing beside it, so hidden_s is 0 and everything is "
-                   "exposed; the times are the CPU runtime's, not a network's")
+      notes.append(
+          "on CPU the runtime blocks on collectives: "
+          + ("nothing ran beside any, so hidden_s is 0 and everything is "
+             "exposed" if all(r.hidden_s == 0 for r in records) else
+             "what hid is independent work its other threads ran beside one")
+          + "; the times are the CPU runtime's, not a network's")
     return cls(source=capture.source, backend=capture.backend,
                measured=records,
                totals=measurement.device_totals(timelines),
