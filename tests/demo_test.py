@@ -36,6 +36,7 @@ def test_demo_writes_everything(tmp_path):
   text = res.stdout
   assert "the same" in text                      # the check against a plain scan
   assert "modelled, not measured" in text
+  assert "On CPU the runtime blocks on collectives" in text    # the measured line
   for name in ("timeline.png", "trace.json", "report.json", "loss.png"):
     path = out / name
     assert path.exists() and path.stat().st_size > 0, name

@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).parent.parent / "src" / "jax_overlap" / "_src" / "
 PACKAGE = "jax_overlap._src.inspection"
 # A stage may import its own stage and those with a lower rank.
 RANK = {"errors": 0, "reading": 1, "schedule": 2, "model": 3, "traced": 4,
-        "report": 5, "api": 6}
+        "report": 5, "measured": 6, "api": 7}
 
 
 def _modules():

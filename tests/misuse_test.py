@@ -283,6 +283,15 @@ MISUSES = [
          "HloModule m, is_scheduled=true\nENTRY %main (p: f32[4]) -> f32[4] {\n"
          "  %p = f32[4]{0} parameter(0"),
      jo.HloParseError, r"<text>:3: this instruction is not finished when the text ends"),
+    # --- measure -----------------------------------------------------------------------
+    ("measure-steps", "measure(f, x, steps=0)",
+     lambda: jo.measure(body, X, steps=0), ValueError,
+     r"measure\(steps=\.\.\.\) must be an int >= 1"),
+    ("measure-not-callable", "measure(3, x)",
+     lambda: jo.measure(3, X), TypeError, r"measure\(fn=\.\.\.\) must be a function"),
+    ("profile-missing", "a profile path that does not exist",
+     lambda: jo.MeasuredReport.from_profile("/nonexistent/run"),
+     jo.ProfileReadError, r"no such file or directory: '/nonexistent/run'"),
 ]
 
 

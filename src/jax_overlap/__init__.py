@@ -14,6 +14,9 @@ from jax_overlap._src.ordering.decorator import program_order as program_order
 from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
 # Seeing the overlap: the report, its cost model and hardware profiles.
 from jax_overlap._src.inspection.api import inspect as inspect
+from jax_overlap._src.inspection.measured.measure import measure as measure
+from jax_overlap._src.inspection.measured.measured_report import MeasuredReport as MeasuredReport
+from jax_overlap._src.inspection.measured.xplane import ProfileReadError as ProfileReadError
 from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareProfileError
 from jax_overlap._src.inspection.errors import HloParseError as HloParseError
 from jax_overlap._src.inspection.model.hardware import HardwareProfile as HardwareProfile
@@ -32,10 +35,13 @@ __all__ = [
     "HloParseError",
     "OrderNotKeptWarning",
     "OverlapReport",
+    "MeasuredReport",
+    "ProfileReadError",
     "all_gather_start",
     "all_to_all_start",
     "fsdp_scan",
     "inspect",
+    "measure",
     "ppermute_start",
     "program_order",
     "psum_scatter_start",

@@ -143,6 +143,7 @@ def demo(opts) -> int:
   report = reports["fsdp_scan"]
   say(str(report))
   say(training.compare_line(reports))
+  say(training.measured_line(train_step, params, opt_state, probe))
 
   written = []
   report.save_timeline(out / "timeline.png")

@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = (
     "jax_overlap._src.cli.demo_command",
     "jax_overlap._src.cli.inspect_command",
+    "jax_overlap._src.cli.profile_command",
 )
 
 

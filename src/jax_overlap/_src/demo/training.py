@@ -221,6 +221,31 @@ def compare_line(reports: dict) -> str:
           "reduce-scatter have no compute to hide behind.")
 
 
+def measured_line(train_step, params, opt_state, batch) -> str:
+  """One line: the trained step measured under jax's profiler (2 steps), as
+  device means, beside the modelled line above."""
+  import jax_overlap  # noqa: PLC0415
+  report = jax_overlap.measure(train_step, params, opt_state, *batch, steps=2,
+                               warmup=0)
+  totals = list(report.totals.values())
+  if not totals or not any(t["comm_s"] for t in totals):
+    return "   Measured (jax.profiler, 2 steps): no collective events found."
+  mean = lambda k: sum(t[k] for t in totals) / len(totals)  # noqa: E731
+  line = (f"   Measured (jax.profiler, 2 steps of the step trained above, on "
+          f"{len(totals)} {report.backend.upper()} devices): "
+          f"{mean('exposed_s') * 1e6:.0f} us of {mean('comm_s') * 1e6:.0f} us "
+          f"of collectives a device exposed "
+          f"({mean('hidden_s') / mean('comm_s'):.0%} hidden).")
+  if report.backend == "cpu":
+    line += (" On CPU the runtime blocks on collectives, so "
+             + ("all" if not mean("hidden_s") else "nearly all (only independent "
+                "work on its other threads ran beside them)")
+             + " of it is exposed, and these are times of threads meeting in "
+             "memory, not of a network: measure on GPUs for the figure that "
+             "matters.")
+  return line
+
+
 def plot_losses(losses: list[float], path: pathlib.Path) -> bool:
   try:
     import matplotlib  # noqa: PLC0415

@@ -1,0 +1,64 @@
+"""Measured overlap of a profile, beside the modelled report of the same module.
+
+  jax-overlap profile PATH [--hardware NAME|FILE] [--json]
+                           [--timeline out.png] [--trace out.json]
+
+PATH is an .xplane.pb file, or the directory jax.profiler.trace(DIR) wrote
+(the newest capture under it is read). Each collective's measured time, the
+part compute on the same device hid, and the exposed rest stand beside the
+modelled times of the HLO the profile carries. Exit status: 0 on success, 2
+for bad input (a missing, empty or malformed profile, unknown hardware).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jax_overlap._src.inspection.errors import HardwareProfileError
+from jax_overlap._src.inspection.measured.measured_report import MeasuredReport
+from jax_overlap._src.inspection.measured.xplane import ProfileReadError
+
+NAME = "profile"
+HELP = "measured overlap of a jax.profiler capture, beside the modelled one"
+BAD_INPUT = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.formatter_class = argparse.RawDescriptionHelpFormatter
+  parser.add_argument("path", metavar="PATH",
+                      help=".xplane.pb, or a directory jax.profiler.trace wrote")
+  parser.add_argument("--hardware", metavar="NAME|FILE", default=None,
+                      help="the profile of the modelled side; default h100")
+  parser.add_argument("--json", action="store_true",
+                      help="print the report as JSON")
+  parser.add_argument("--timeline", metavar="OUT.png",
+                      help="draw the measured timeline as a PNG")
+  parser.add_argument("--trace", metavar="OUT.json",
+                      help="write the measured timeline for ui.perfetto.dev")
+
+
+def run(args: argparse.Namespace) -> int:
+  try:
+    report = MeasuredReport.from_profile(args.path, hardware=args.hardware)
+  except (ProfileReadError, HardwareProfileError) as e:
+    return _fail(str(e))
+  print(report.to_json() if args.json else str(report), end="\n" if args.json else "")
+  try:
+    if args.timeline:
+      report.save_timeline(args.timeline)
+      print(f"wrote {args.timeline}", file=sys.stderr)
+    if args.trace:
+      report.save_trace(args.trace)
+      print(f"wrote {args.trace}", file=sys.stderr)
+  except OSError as e:
+    return _fail(f"cannot write {e.filename}: {e.strerror}")
+  except ImportError as e:
+    print(f"jax-overlap profile: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _fail(message: str) -> int:
+  print(f"jax-overlap profile: error: {' '.join(message.split())}", file=sys.stderr)
+  return BAD_INPUT

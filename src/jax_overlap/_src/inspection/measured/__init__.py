@@ -1,0 +1,1 @@
+"""Measured overlap: a profile's timed events beside the modelled report."""
