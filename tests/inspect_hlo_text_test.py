@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_overlap import HloParseError, OverlapReport
-from jax_overlap._src.inspection import attributes, lexing
-from jax_overlap._src.inspection.hlo_text import (
+from jax_overlap._src.inspection.reading import attributes
+from jax_overlap._src.inspection.reading import lexing
+from jax_overlap._src.inspection.reading.hlo_text import (
     load_hlo, parse_hlo_text, parse_instruction)
-from jax_overlap._src.inspection.shapes import shape_from_text
+from jax_overlap._src.inspection.reading.shapes import shape_from_text
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
 GOOD = ["gpu_prefetch.txt", "gpu_async_wrapped.txt", "tpu_loop.txt",

@@ -14,8 +14,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
-from jax_overlap._src.inspection import live, xla_cost
-from jax_overlap._src.inspection.hlo_text import parse_hlo_text
+from jax_overlap._src.inspection.reading import live
+from jax_overlap._src.inspection.model import xla_cost
+from jax_overlap._src.inspection.reading.hlo_text import parse_hlo_text
 
 
 def _mesh(n):

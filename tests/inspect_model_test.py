@@ -8,9 +8,9 @@ import pathlib
 import pytest
 
 from jax_overlap import HardwareProfile, HardwareProfileError, OverlapReport
-from jax_overlap._src.inspection.cost_model import CostModel, shape_costs
-from jax_overlap._src.inspection.hardware import resolve_hardware
-from jax_overlap._src.inspection.hlo_text import load_hlo, parse_hlo_text
+from jax_overlap._src.inspection.model.cost_model import CostModel, shape_costs
+from jax_overlap._src.inspection.model.hardware import resolve_hardware
+from jax_overlap._src.inspection.reading.hlo_text import load_hlo, parse_hlo_text
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
 

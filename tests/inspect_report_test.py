@@ -11,9 +11,12 @@ import sys
 import pytest
 
 from jax_overlap import OverlapReport
-from jax_overlap._src.inspection import (
-    api, errors, hardware, report as report_module, timeline)
-from jax_overlap._src.inspection.table import render
+from jax_overlap._src.inspection import api
+from jax_overlap._src.inspection import errors
+from jax_overlap._src.inspection.model import hardware
+from jax_overlap._src.inspection.report import overlap_report as report_module
+from jax_overlap._src.inspection.report import timeline
+from jax_overlap._src.inspection.report.table import render
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
 

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
-from jax_overlap._src.inspection.hardware import resolve_hardware
+from jax_overlap._src.inspection.model.hardware import resolve_hardware
 
 H100 = resolve_hardware("h100")
 AXIS = "d"

@@ -16,8 +16,8 @@ from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
 from jax_overlap._src.inspection.api import inspect as inspect
 from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareProfileError
 from jax_overlap._src.inspection.errors import HloParseError as HloParseError
-from jax_overlap._src.inspection.hardware import HardwareProfile as HardwareProfile
-from jax_overlap._src.inspection.report import OverlapReport as OverlapReport
+from jax_overlap._src.inspection.model.hardware import HardwareProfile as HardwareProfile
+from jax_overlap._src.inspection.report.overlap_report import OverlapReport as OverlapReport
 
 # Overlap patterns, built on the public names above.
 from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul

@@ -17,12 +17,12 @@ import json
 import shutil
 import sys
 
-from jax_overlap._src.inspection.diff import diff_reports
+from jax_overlap._src.inspection.report.diff import diff_reports
 from jax_overlap._src.inspection.errors import (
     HardwareProfileError, HloParseError)
-from jax_overlap._src.inspection.hardware import HardwareProfile
-from jax_overlap._src.inspection.report import OverlapReport
-from jax_overlap._src.inspection.table import render
+from jax_overlap._src.inspection.model.hardware import HardwareProfile
+from jax_overlap._src.inspection.report.overlap_report import OverlapReport
+from jax_overlap._src.inspection.report.table import render
 
 NAME = "inspect"
 HELP = "what each collective in an HLO dump overlapped (modelled times)"

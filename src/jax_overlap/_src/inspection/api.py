@@ -6,11 +6,12 @@ from __future__ import annotations
 import jax
 from jax._src import traceback_util
 
-from jax_overlap._src.inspection import analysis, live, xla_cost
-from jax_overlap._src.inspection.hardware import resolve_hardware
-from jax_overlap._src.inspection.report import OverlapReport
-from jax_overlap._src.inspection.written import written_windows
-from jax_overlap._src.inspection.written_schedule import (
+from jax_overlap._src.inspection.reading import live
+from jax_overlap._src.inspection.model import xla_cost
+from jax_overlap._src.inspection.model.hardware import resolve_hardware
+from jax_overlap._src.inspection.report.overlap_report import OverlapReport
+from jax_overlap._src.inspection.traced.written import written_windows
+from jax_overlap._src.inspection.traced.written_schedule import (
     COST_LABEL, written_schedule)
 
 traceback_util.register_exclusion(__file__)
@@ -113,14 +114,14 @@ def _compiled_report(traced, name, platform, profile, windows):
     client = _client()
     candidate = xla_cost.XlaCosts(module, client)
     costs = candidate if candidate.available else None
-  return analysis.build_report(
+  return OverlapReport.build(
       module, profile, source=source, cost_source=costs,
       cost_label=xla_cost.LABEL, written=windows)
 
 
 def _written_report(traced, name, profile, windows, notes):
   written = written_schedule(traced.jaxpr, profile, name=name)
-  return analysis.build_report(
+  return OverlapReport.build(
       written.module, profile, source=f"traced program of {name}",
       cost_source=written.cost, cost_label=COST_LABEL, written=windows,
       schedule="written", notes=notes + [WRITTEN_NOTE] + written.notes)
