@@ -42,7 +42,8 @@ def test_json_has_the_documented_fields(capsys):
                      "--json", "--hardware", "tpu-v5p")
   assert code == 0
   data = json.loads(out)
-  assert list(data["totals"]) == ["comm_s", "exposed_s", "bound_exposed_s"]
+  assert list(data["totals"]) == ["comm_s", "exposed_s", "bound_exposed_s",
+                                  "serial_link_bound_s"]
   assert data["schedule"] == "compiled"
   assert data["hardware"]["name"] == "tpu-v5p"
   assert "not measured" in data["modelled"]

@@ -5,8 +5,24 @@ from __future__ import annotations
 import io
 
 
-def format_seconds(seconds: float) -> str:
-  if seconds == 0:
+#: Modelled times closer than this (relative, or absolute in seconds) are the
+#: same to the model: its inputs are flops and bytes, its sums carry float
+#: noise, and three significant digits is what it can tell.
+RELATIVE_RESOLUTION = 1e-3
+ABSOLUTE_RESOLUTION_S = 1e-9
+
+
+def same_time(a: float, b: float) -> bool:
+  """Whether the model can tell `a` from `b` (seconds)."""
+  return abs(a - b) <= max(ABSOLUTE_RESOLUTION_S,
+                           RELATIVE_RESOLUTION * max(abs(a), abs(b)))
+
+
+def format_seconds(seconds: float, scale: float | None = None) -> str:
+  """Seconds in s/ms/us, 3 significant digits; "0" for what the model cannot
+  tell from 0 (below 1 ns, or below its resolution of `scale`)."""
+  if same_time(seconds, 0.0) or (
+      scale is not None and abs(seconds) <= RELATIVE_RESOLUTION * abs(scale)):
     return "0"
   if seconds < 1e-3:
     return f"{seconds * 1e6:.3g} us"
