@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     width = max(100, shutil.get_terminal_size((140, 24)).columns)
     print(render(report, width=width,
                  use_rich=None if sys.stdout.isatty() else False), end="")
-    print("\n" + summary.render_summary(report).split("\n", 1)[1], end="")
+    hints = summary.hint_lines(report)
+    if hints:
+      print("\n".join(hints))
   else:
     print(report, end="")
   try:

@@ -35,15 +35,19 @@ def render_summary(report, top: int = TOP) -> str:
                  "report.table()):")
     for rank, (i, c) in enumerate(shown, 1):
       lines += _collective_lines(rank, i, c)
-  hints = hints_for(report)
-  if hints:
-    lines.append("")
-    lines.append("What to change:")
-    lines += [f"  - {h}" for h in hints]
+  lines += hint_lines(report)
   if report.notes:
     lines.append("")
     lines += [f"Note: {n}" for n in report.notes]
   return "\n".join(lines) + "\n"
+
+
+def hint_lines(report) -> list[str]:
+  """'What to change:' and its hints, after a blank line (none: [])."""
+  hints = hints_for(report)
+  if not hints:
+    return []
+  return ["", "What to change:"] + [f"  - {h}" for h in hints]
 
 
 def _totals(report) -> list[str]:
@@ -75,9 +79,9 @@ def _collective_lines(rank: int, index: int, c) -> list[str]:
   head = (f"  {rank}. #{index} {c.kind} {c.start} -> {c.done or '?'}: exposed "
           f"{format_seconds(c.exposed_s)} of {format_seconds(c.comm_s)}"
           f"{runs}, {format_bytes(c.bytes)}")
-  where = c.where or "source line unknown"
+  where = f"at {c.where}" if c.where else "source line unknown"
   leaf = f"leaf {c.leaf}" if c.leaf else "leaf unknown"
-  tail = f"     at {where}; {leaf}"
+  tail = f"     {where}; {leaf}"
   if c.flags:
     tail += "; " + "; ".join(c.flags)
   return [head, tail]

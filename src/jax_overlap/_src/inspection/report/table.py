@@ -51,6 +51,12 @@ def _kind(record) -> str:
   return record.kind + (f"\n{record.leaf}" if record.leaf else "")
 
 
+def _origin(record) -> str:
+  """The user's source line and the leaf it moves, each or 'unknown'."""
+  return (f"{record.where or 'source unknown'}\n"
+          f"{('leaf ' + record.leaf) if record.leaf else 'leaf unknown'}")
+
+
 def _runs(runs: float) -> str:
   return f"{runs:g}"
 
@@ -64,17 +70,18 @@ def sections(report) -> list[tuple[str, list[str], list[list[str]]]]:
   for i, c in enumerate(report.collectives, 1):
     where = c.computation + (f" [{c.thread}]" if several else "")
     overlapped = "- (blocking)" if not c.is_async else _names(c.overlapped)
-    rows.append([str(i), _kind(c), f"{c.start}\n-> {c.done or '?'}", where,
+    rows.append([str(i), c.kind, _origin(c), f"{c.start}\n-> {c.done or '?'}",
+                 where,
                  format_bytes(c.bytes), overlapped, format_seconds(c.comm_s),
                  format_seconds(c.exposed_s), _runs(c.runs),
                  "\n".join(c.flags)])
-  header = ["#", "kind", "start -> done", "computation", "bytes",
-            "overlapped", "comm", "exposed", "runs", "flags"]
-  if len({r[3] for r in rows}) <= 1 and len({c.computation for c in
-                                             report.copies} | {r[3] for r in
+  header = ["#", "kind", "source, leaf", "start -> done", "computation",
+            "bytes", "overlapped", "comm", "exposed", "runs", "flags"]
+  if len({r[4] for r in rows}) <= 1 and len({c.computation for c in
+                                             report.copies} | {r[4] for r in
                                                                rows}) <= 1:
-    header.pop(3)
-    rows = [r[:3] + r[4:] for r in rows]
+    header.pop(4)
+    rows = [r[:4] + r[5:] for r in rows]
   out.append((f"Collectives in the {report.schedule} schedule (times "
               f"modelled on {hw}, not measured)", header, rows))
   if report.copies:
@@ -108,8 +115,10 @@ def summary(report) -> list[str]:
       f"{report.hardware.name} (not measured):",
       f"  communication      {format_seconds(t['comm_s'])}",
       f"  exposed            {format_seconds(t['exposed_s'])}",
-      f"  perfect schedule   {format_seconds(t['bound_exposed_s'])} exposed"
-      f" (would save {format_seconds(max(saved, 0.0))})",
+      f"  perfect schedule   {format_seconds(t['bound_exposed_s'])} exposed,"
+      " data dependencies kept (would save "
+      f"{format_seconds(max(saved, 0.0), t['exposed_s'])}; all on one link "
+      f"and dependencies ignored: {format_seconds(t['serial_link_bound_s'])})",
       f"  compute            {format_seconds(report.compute_s)};"
       f" step {format_seconds(report.step_s)}",
   ]
@@ -139,7 +148,7 @@ def render(report, use_rich: bool | None = None, width: int = 140) -> str:
   return _render_plain(head, parts, summary(report))
 
 
-_WRAPS = {"flags", "started at", "written between start and done"}
+_WRAPS = {"started at", "written between start and done"}
 _NUMERIC = {"#", "bytes", "comm", "exposed", "runs", "copy", "compute",
             "exposed if kept"}
 
