@@ -44,12 +44,18 @@ _MAX_EDGES = 200_000
 @dataclasses.dataclass
 class Transfer:
   """A collective started in the computation: its start, its done (None when
-  the done is in another computation), its modelled seconds and link."""
+  the done is in another computation or iteration), its modelled seconds and
+  link. `consumer` is the loop of this computation whose body holds the done
+  (it and what follows it use the result), and `lead_s` the compute of that
+  body before the done, which the transfer may hide behind (a loop is one
+  node here, so that part is counted apart)."""
 
   start: str
   done: str | None
   seconds: float
   link: str
+  consumer: str | None = None
+  lead_s: float = 0.0
 
 
 class Dependencies:
@@ -119,8 +125,12 @@ class Dependencies:
   def independent(self, compute: str, t: Transfer) -> bool:
     """Whether `compute` can run while `t` is in flight, in this iteration
     or (in a loop body) the one before or after."""
+    if compute not in self.bit:   # the lead of a loop holding a done
+      return compute == f"lead of {t.start}"
     bit = self.bit[compute]
     after = self.desc[t.done] if t.done in self.desc else 0
+    if t.consumer in self.desc:
+      after |= self.desc[t.consumer] | self.bit[t.consumer]
     if not (self.anc[t.start] & bit or after & bit):
       return True
     if not self.carried:
@@ -165,6 +175,10 @@ def computation_bound(deps: Dependencies, compute: dict[str, float],
     if t.seconds > 0:
       by_link[t.link].append(t)
   best = 0.0
+  compute = dict(compute)
+  for t in transfers:
+    if t.lead_s > 0:
+      compute[f"lead of {t.start}"] = t.lead_s
   for link_transfers in by_link.values():
     seconds = {f"{k}": t.seconds for k, t in enumerate(link_transfers)}
     dependent = {(name, f"{k}") for name, d in compute.items() if d > 0

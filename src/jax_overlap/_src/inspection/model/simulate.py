@@ -230,9 +230,7 @@ class _Simulator:
                                               pair.group_size)
       frame = self.frames[-1]
       frame.comm += seconds
-      done = pair.done.name if pair.done is not None and (
-          pair.done_computation == frame.name) else None
-      frame.transfers.append(Transfer(pair.start.name, done, seconds, link))
+      frame.transfers.append(self._dependency_view(pair, frame, seconds, link))
     free, holder = self.link_free.get(link, (0.0, ""))
     begin = max(self.now, free)
     totals = self.totals[pair.key]
@@ -243,6 +241,27 @@ class _Simulator:
       totals.queued_behind.append(holder)
     self.link_free[link] = (begin + seconds, pair.start.name)
     return seconds, begin, begin + seconds
+
+  def _dependency_view(self, pair, frame, seconds, link) -> Transfer:
+    """How the bound sees `pair` from the computation that starts it."""
+    kinds = [m[0] for m in pair.moves]
+    if pair.done is not None and pair.done_computation == frame.name and (
+        kinds in ([], ["enter", "exit"])):
+      return Transfer(pair.start.name, pair.done.name, seconds, link)
+    if kinds == ["enter"]:   # done inside the body of a loop of this computation
+      body = self.comps[pair.done_computation]
+      before = body.instructions[:body.position[pair.done.name]]
+      lead = sum(self._static_compute_of(i, body) for i in before)
+      return Transfer(pair.start.name, None, seconds, link,
+                      consumer=pair.moves[0][1], lead_s=lead)
+    # Done in a later iteration or after the loop: nothing here uses it.
+    return Transfer(pair.start.name, None, seconds, link)
+
+  def _static_compute_of(self, instr, comp) -> float:
+    if instr.opcode in ("while", "call", "conditional"):
+      return sum(self._static_compute(c) for c in instr.callees())
+    return self.model.compute_seconds(instr, comp) if self.s.is_compute(
+        instr) else 0.0
 
   def _synchronous(self, pair: Pair, thread: str) -> None:
     seconds, begin, finish = self._transfer(pair)
