@@ -8,6 +8,8 @@ the same on a terminal, in a pipe and in a log.
 
 from __future__ import annotations
 
+import os
+
 from jax_overlap._src.inspection.report.table import (
     format_bytes, format_seconds)
 
@@ -79,7 +81,7 @@ def _collective_lines(rank: int, index: int, c) -> list[str]:
   head = (f"  {rank}. #{index} {c.kind} {c.start} -> {c.done or '?'}: exposed "
           f"{format_seconds(c.exposed_s)} of {format_seconds(c.comm_s)}"
           f"{runs}, {format_bytes(c.bytes)}")
-  where = f"at {c.where}" if c.where else "source line unknown"
+  where = f"at {_short(c.where)}" if c.where else "source line unknown"
   leaf = f"leaf {c.leaf}" if c.leaf else "leaf unknown"
   tail = f"     {where}; {leaf}"
   if c.flags:
@@ -129,6 +131,13 @@ def hints_for(report) -> list[str]:
                   f"{format_seconds(first.exposed_s)}: start it during the "
                   "compute before it (the embedding, or the previous step's "
                   "update)"))
+  for last in [] if forced else _last_exposed(report):
+    found.append((last.exposed_s,
+                  f"the last {last.kind} of {last.computation} "
+                  f"({last.start}{_at(last)}) overlaps nothing and exposes "
+                  f"{format_seconds(last.exposed_s)}: finish it later, during "
+                  "compute that does not need it (the optimizer update of "
+                  "other leaves)"))
   queued = [c for c in collectives
             if c.queued_behind and c.exposed_s > c.comm_s * 1.001]
   if queued and not forced:
@@ -169,8 +178,32 @@ def _first_exposed(report):
   return out
 
 
+def _last_exposed(report):
+  """Per computation, its last async collective when it overlaps nothing,
+  exposes something and is not also its first."""
+  last = {}
+  for c in report.collectives:
+    last[c.computation] = c
+  firsts = {id(c) for c in _first_exposed(report)}
+  return [c for c in last.values() if c.is_async and not c.overlapped
+          and c.exposed_s > 0 and id(c) not in firsts]
+
+
 def _at(c) -> str:
-  return f" at {c.where}" if c.where else ""
+  return f" at {_short(c.where)}" if c.where else ""
+
+
+def _short(where: str) -> str:
+  """`file:line`, the file relative to the working directory when under it
+  (the record keeps it whole)."""
+  path, sep, line = where.rpartition(":")
+  if not sep or not os.path.isabs(path):
+    return where
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:   # another drive
+    return where
+  return where if rel.startswith("..") else f"{rel}:{line}"
 
 
 def _leaves(records, most: int = 4) -> str:
