@@ -8,11 +8,13 @@ hideable and one beside none is not.
 
 from __future__ import annotations
 
+import doctest
 import pathlib
 
 import pytest
 
 from jax_overlap import OverlapReport
+from jax_overlap._src.inspection.model import dependency_bound, links
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
 PROFILES = ["h100", "a100", "tpu-v5e", "tpu-v5p"]
@@ -236,3 +238,10 @@ def test_every_fixture_keeps_the_invariants(path):
     r = OverlapReport.from_hlo(text, hardware=hardware)
     check_invariants(r)
     assert r.totals["bound_exposed_s"] >= 0
+
+
+@pytest.mark.parametrize("module", [links, dependency_bound],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module)
+  assert result.attempted > 0 and result.failed == 0

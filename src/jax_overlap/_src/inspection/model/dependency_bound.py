@@ -20,13 +20,12 @@ compute of iteration i+1 unless that compute reads a value the transfer
 produces. Loop-carried values are the elements of the body's parameter
 tuple and of its root tuple.
 
-Example: a collective whose result every later op needs, and whose operand
-every earlier op made, hides nothing; one beside independent compute hides
-all of it.
+Example: what stays exposed of a 3 s transfer beside 5 s of compute that
+depends on it (all of it), and beside 5 s of independent compute (nothing).
   >>> flow_bound({"c": 3.0}, {"o": 5.0}, {("o", "c")})
-  0.0
-  >>> flow_bound({"c": 3.0}, {"o": 5.0}, set())
   3.0
+  >>> flow_bound({"c": 3.0}, {"o": 5.0}, set())
+  0.0
 """
 
 from __future__ import annotations
