@@ -294,7 +294,7 @@ def test_table_timeline_and_trace_say_which_schedule(tmp_path):
   text = report.table()     # str() is the summary now
   assert "Collectives in the written schedule (times modelled on h100" in text
   assert "Totals of the written schedule, modelled on h100" in text
-  assert "collectives in the written schedule; times modelled on h100" in str(
+  assert "in the written schedule; times modelled on h100" in str(
       report)
   assert "OverlapReport('traced program of step', written schedule" in repr(
       report)

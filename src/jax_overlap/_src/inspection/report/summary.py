@@ -57,7 +57,8 @@ def _totals(report) -> list[str]:
   comm, exposed, bound = t["comm_s"], t["exposed_s"], t["bound_exposed_s"]
   share = f" ({exposed / comm:.0%} of it)" if comm > 0 else ""
   lines = [
-      f"{len(report.collectives)} collectives in the {report.schedule} "
+      f"{len(report.collectives)} collective"
+      f"{'' if len(report.collectives) == 1 else 's'} in the {report.schedule} "
       f"schedule; times modelled on {report.hardware.name}, not measured.",
       f"  communication   {format_seconds(comm)}",
       f"  exposed         {format_seconds(exposed)}{share}",
