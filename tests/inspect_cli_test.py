@@ -18,7 +18,8 @@ NO_LHS = str(FIXTURES / "gpu_prefetch_no_lhs.txt")
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 COLLECTIVE_FIELDS = [
-    "kind", "start", "done", "computation", "where", "leaf", "thread", "async",
+    "kind", "start", "done", "computation", "where", "leaf", "thread", "link",
+    "queued_behind", "async",
     "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags"]
 
@@ -30,11 +31,13 @@ def run(capsys, *argv):
 
 
 def test_table_on_a_gpu_dump(capsys):
-  code, out, err = run(capsys, "inspect", PREFETCH)
+  # The default is the summary now; --full is the table it was.
+  code, out, err = run(capsys, "inspect", PREFETCH, "--full")
   assert code == 0 and err == ""
   assert "all-gather" in out and "all-reduce" in out
   assert "modelled on h100, not measured" in out
   assert "overlaps nothing" in out
+  assert "train.py:29, leaf unknown" in out
 
 
 def test_json_has_the_documented_fields(capsys):
@@ -42,7 +45,8 @@ def test_json_has_the_documented_fields(capsys):
                      "--json", "--hardware", "tpu-v5p")
   assert code == 0
   data = json.loads(out)
-  assert list(data["totals"]) == ["comm_s", "exposed_s", "bound_exposed_s"]
+  assert list(data["totals"]) == ["comm_s", "exposed_s", "bound_exposed_s",
+                                  "serial_link_bound_s"]
   assert data["schedule"] == "compiled"
   assert data["hardware"]["name"] == "tpu-v5p"
   assert "not measured" in data["modelled"]

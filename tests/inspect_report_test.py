@@ -29,14 +29,15 @@ def pipelined():
 
 def test_plain_text_without_rich(monkeypatch, pipelined):
   monkeypatch.setitem(sys.modules, "rich", None)  # `import rich` fails
-  text = str(pipelined)
+  text = pipelined.table()   # str() is the summary now
   assert "┃" not in text
   assert ("Collectives in the compiled schedule (times modelled on a100, "
           "not measured)") in text
   header = next(line for line in text.splitlines() if line.startswith("#"))
-  assert header.split() == ["#", "kind", "start", "->", "done", "computation",
-                            "bytes", "overlapped", "comm", "exposed", "runs",
-                            "flags"]
+  # The table names each collective's source line and leaf (or unknown).
+  assert header.split() == ["#", "kind", "source,", "leaf", "start", "->",
+                            "done", "computation", "bytes", "overlapped",
+                            "comm", "exposed", "runs", "flags"]
   assert "recv -> recv-done.p" in text and "spans iteration" in text
   assert "perfect schedule" in text
 

@@ -291,9 +291,11 @@ def test_default_without_futures_is_the_compiled_schedule():
 def test_table_timeline_and_trace_say_which_schedule(tmp_path):
   step, args = _small_prefetch()
   report = jo.inspect(step, *args, schedule="written")
-  text = str(report)
+  text = report.table()     # str() is the summary now
   assert "Collectives in the written schedule (times modelled on h100" in text
   assert "Totals of the written schedule, modelled on h100" in text
+  assert "in the written schedule; times modelled on h100" in str(
+      report)
   assert "OverlapReport('traced program of step', written schedule" in repr(
       report)
   report.save_trace(tmp_path / "trace.json")

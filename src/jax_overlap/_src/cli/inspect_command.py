@@ -1,12 +1,14 @@
 """Report what each collective of a scheduled HLO dump overlapped.
 
-  jax-overlap inspect FILE [--hardware NAME|FILE] [--json]
+  jax-overlap inspect FILE [--hardware NAME|FILE] [--full | --json]
                            [--timeline out.png] [--trace out.json]
   jax-overlap inspect --diff A B [--hardware NAME|FILE] [--json]
 
 FILE is a scheduled HLO text dump: *after_optimizations.txt from
 XLA_FLAGS=--xla_dump_to=DIR, or compiled.as_text(). All times are modelled on
-the hardware profile (default h100), not measured. Exit status: 0 on
+the hardware profile (default h100), not measured. The default output is a
+summary (totals, the collectives that expose the most, what to change);
+--full prints every collective. Exit status: 0 on
 success, 2 for bad input (unreadable file, malformed HLO, unknown hardware).
 """
 
@@ -22,6 +24,7 @@ from jax_overlap._src.inspection.errors import (
     HardwareProfileError, HloParseError)
 from jax_overlap._src.inspection.model.hardware import HardwareProfile
 from jax_overlap._src.inspection.report.overlap_report import OverlapReport
+from jax_overlap._src.inspection.report import summary
 from jax_overlap._src.inspection.report.table import render
 
 NAME = "inspect"
@@ -41,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       + ") or a .toml/.json profile file; default h100")
   parser.add_argument("--json", action="store_true",
                       help="print the report as JSON")
+  parser.add_argument("--full", action="store_true",
+                      help="print every collective, copy and window as a "
+                      "table (default: the summary)")
   parser.add_argument("--timeline", metavar="OUT.png",
                       help="draw the modelled timeline as a PNG")
   parser.add_argument("--trace", metavar="OUT.json",
@@ -69,9 +75,16 @@ def run(args: argparse.Namespace) -> int:
     return _fail(str(e))
   if args.json:
     print(report.to_json())
-  else:
+  elif args.full:
+    # A pipe is not a terminal: plain text, no cell ever cut.
     width = max(100, shutil.get_terminal_size((140, 24)).columns)
-    print(render(report, width=width), end="")
+    print(render(report, width=width,
+                 use_rich=None if sys.stdout.isatty() else False), end="")
+    hints = summary.hint_lines(report)
+    if hints:
+      print("\n".join(hints))
+  else:
+    print(report, end="")
   try:
     if args.timeline:
       report.save_timeline(args.timeline)

@@ -46,6 +46,7 @@ def analyse(module: HloModule, hardware: HardwareProfile, *,
       "comm_s": sum(r.comm_s for r in records),
       "exposed_s": sum(r.exposed_s for r in records),
       "bound_exposed_s": timeline.bound_exposed_s,
+      "serial_link_bound_s": timeline.serial_link_bound_s,
   }
   fields = dict(
       source=source, hardware=hardware,
@@ -95,12 +96,17 @@ def _collective(pair, schedule, timeline, several_threads) -> CollectiveRecord:
     flags.insert(0, "blocking")
   if pair.group_size is None and pair.kind not in _POINT_TO_POINT:
     flags.append(f"group size unknown (modelled as {UNKNOWN_GROUP_SIZE})")
+  queued = totals.queued_behind if totals else []
+  if queued:
+    flags.append("queued behind " + ", ".join(queued[:3])
+                 + (f" (+{len(queued) - 3} more)" if len(queued) > 3 else ""))
   return CollectiveRecord(
       kind=pair.kind, start=pair.start.name,
       done=pair.done.name if pair.done else None,
       computation=pair.computation,
       where=attrs.source_location(pair.start), leaf=attrs.leaf(pair.start),
-      thread=pair.thread,
+      thread=pair.thread, link=totals.link if totals else "",
+      queued_behind=list(queued),
       is_async=pair.is_async, made_blocking=pair.made_blocking,
       bytes=pair.bytes, group_size=pair.group_size,
       overlapped=list(pair.overlapped),

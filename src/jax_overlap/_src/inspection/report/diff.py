@@ -13,9 +13,9 @@ from typing import Any
 
 from jax_overlap._src.inspection.report.overlap_report import OverlapReport
 from jax_overlap._src.inspection.report.records import CollectiveRecord
-from jax_overlap._src.inspection.report.table import format_seconds
+from jax_overlap._src.inspection.report.table import format_seconds, same_time
 
-_TOTALS = ("comm_s", "exposed_s", "bound_exposed_s")
+_TOTALS = ("comm_s", "exposed_s", "bound_exposed_s", "serial_link_bound_s")
 
 
 @dataclasses.dataclass
@@ -79,9 +79,10 @@ class ReportDiff:
         moved = [f"+{n}" for n in c.gained] + [f"-{n}" for n in c.lost]
         lines.append(f"  overlapped: {len(c.a.overlapped)} -> "
                      f"{len(c.b.overlapped)} ops ({', '.join(moved)})")
-      lines.append(f"  exposed: {format_seconds(c.a.exposed_s)} -> "
-                   f"{format_seconds(c.b.exposed_s)} "
-                   f"({_signed(c.b.exposed_s - c.a.exposed_s)})")
+      if not same_time(c.a.exposed_s, c.b.exposed_s):
+        lines.append(f"  exposed: {format_seconds(c.a.exposed_s)} -> "
+                     f"{format_seconds(c.b.exposed_s)} "
+                     f"({_signed(c.b.exposed_s - c.a.exposed_s)})")
     for label, records in (("only in A", self.only_in_a),
                            ("only in B", self.only_in_b)):
       for r in records:
@@ -91,11 +92,13 @@ class ReportDiff:
       lines.append("")
     lines.append(f"{self.unchanged} collective(s) unchanged.")
     names = {"comm_s": "communication", "exposed_s": "exposed",
-             "bound_exposed_s": "perfect-schedule bound"}
+             "bound_exposed_s": "no schedule can hide",
+             "serial_link_bound_s": "serial-link bound"}
     for key in _TOTALS:
       a, b = self.a.totals[key], self.b.totals[key]
+      change = "no change" if same_time(a, b) else _signed(b - a)
       lines.append(f"{names[key]}: {format_seconds(a)} -> "
-                   f"{format_seconds(b)} ({_signed(b - a)})")
+                   f"{format_seconds(b)} ({change})")
     return "\n".join(lines) + "\n"
 
 
@@ -136,9 +139,10 @@ def _match(a: list[CollectiveRecord], b: list[CollectiveRecord]):
 
 
 def _same(a: CollectiveRecord, b: CollectiveRecord) -> bool:
+  """Same window, same kind of start, and exposed times the model cannot
+  tell apart (`table.same_time`)."""
   return (a.overlapped == b.overlapped and a.is_async == b.is_async
-          and abs(a.exposed_s - b.exposed_s) <= 1e-9 * max(
-              abs(a.exposed_s), abs(b.exposed_s)) + 1e-15)
+          and same_time(a.exposed_s, b.exposed_s))
 
 
 def _signed(seconds: float) -> str:

@@ -27,8 +27,8 @@ class OverlapReport:
 
   Made by `jax_overlap.inspect(fn, *args)` (a live compile, or the schedule
   as written in the traced program) or `OverlapReport.from_hlo(text_or_path)`
-  (a dump). `print(report)` shows a
-  table; `to_dict`/`to_json` give the fields; `save_timeline` draws a PNG and
+  (a dump). `print(report)` shows a summary with what to change,
+  `report.table()` every collective; `to_dict`/`to_json` give the fields; `save_timeline` draws a PNG and
   `save_trace` writes a trace for ui.perfetto.dev.
 
   Attributes:
@@ -39,7 +39,9 @@ class OverlapReport:
     cost_source: where flops and bytes came from.
     collectives, copies: a record per start/done pair.
     written: the windows as written in the traced program (live only).
-    totals: `comm_s`, `exposed_s`, `bound_exposed_s` (modelled seconds).
+    totals: `comm_s`, `exposed_s`, `bound_exposed_s` (what no schedule
+      keeping the data dependencies can hide) and `serial_link_bound_s` (the
+      older, dependency-blind figure), in modelled seconds.
     compute_s, step_s: modelled compute, and the modelled step.
     threads: the execution threads that ran scheduled work.
     notes: what the reader should know about this report.
@@ -113,7 +115,8 @@ class OverlapReport:
         "copies": [c.to_dict() for c in self.copies],
         "written": [w.to_dict() for w in self.written],
         "totals": {k: self.totals[k] for k in
-                   ("comm_s", "exposed_s", "bound_exposed_s")},
+                   ("comm_s", "exposed_s", "bound_exposed_s",
+                    "serial_link_bound_s")},
         "compute_s": self.compute_s,
         "step_s": self.step_s,
         "notes": list(self.notes),
@@ -123,8 +126,16 @@ class OverlapReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
+    """The summary: totals, the collectives that expose the most, and what
+    to change (`table()` for every collective)."""
+    from jax_overlap._src.inspection.report import summary  # noqa: PLC0415
+    return summary.render_summary(self)
+
+  def table(self, use_rich: bool | None = None, width: int = 140) -> str:
+    """Every collective, copy and written window as a table (`rich` when
+    installed and asked or left to choose; plain text never cuts a cell)."""
     from jax_overlap._src.inspection.report import table  # noqa: PLC0415
-    return table.render(self)
+    return table.render(self, use_rich=use_rich, width=width)
 
   def __repr__(self) -> str:
     t = self.totals

@@ -30,6 +30,8 @@ class CollectiveRecord(_Record):
   where: str | None
   leaf: str | None
   thread: str
+  link: str
+  queued_behind: list[str]
   is_async: bool
   made_blocking: bool
   bytes: float
@@ -89,7 +91,8 @@ class WrittenRecord(_Record):
 
 
 _COLLECTIVE_FIELDS = (
-    "kind", "start", "done", "computation", "where", "leaf", "thread", "async",
+    "kind", "start", "done", "computation", "where", "leaf", "thread", "link",
+    "queued_behind", "async",
     "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags")
 

@@ -5,8 +5,24 @@ from __future__ import annotations
 import io
 
 
-def format_seconds(seconds: float) -> str:
-  if seconds == 0:
+#: Modelled times closer than this (relative, or absolute in seconds) are the
+#: same to the model: its inputs are flops and bytes, its sums carry float
+#: noise, and three significant digits is what it can tell.
+RELATIVE_RESOLUTION = 1e-3
+ABSOLUTE_RESOLUTION_S = 1e-9
+
+
+def same_time(a: float, b: float) -> bool:
+  """Whether the model can tell `a` from `b` (seconds)."""
+  return abs(a - b) <= max(ABSOLUTE_RESOLUTION_S,
+                           RELATIVE_RESOLUTION * max(abs(a), abs(b)))
+
+
+def format_seconds(seconds: float, scale: float | None = None) -> str:
+  """Seconds in s/ms/us, 3 significant digits; "0" for what the model cannot
+  tell from 0 (below 1 ns, or below its resolution of `scale`)."""
+  if same_time(seconds, 0.0) or (
+      scale is not None and abs(seconds) <= RELATIVE_RESOLUTION * abs(scale)):
     return "0"
   if seconds < 1e-3:
     return f"{seconds * 1e6:.3g} us"
@@ -35,6 +51,12 @@ def _kind(record) -> str:
   return record.kind + (f"\n{record.leaf}" if record.leaf else "")
 
 
+def _origin(record) -> str:
+  """The user's source line and the leaf it moves, each or 'unknown'."""
+  return (f"{record.where or 'source unknown'}\n"
+          f"{('leaf ' + record.leaf) if record.leaf else 'leaf unknown'}")
+
+
 def _runs(runs: float) -> str:
   return f"{runs:g}"
 
@@ -48,17 +70,18 @@ def sections(report) -> list[tuple[str, list[str], list[list[str]]]]:
   for i, c in enumerate(report.collectives, 1):
     where = c.computation + (f" [{c.thread}]" if several else "")
     overlapped = "- (blocking)" if not c.is_async else _names(c.overlapped)
-    rows.append([str(i), _kind(c), f"{c.start}\n-> {c.done or '?'}", where,
+    rows.append([str(i), c.kind, _origin(c), f"{c.start}\n-> {c.done or '?'}",
+                 where,
                  format_bytes(c.bytes), overlapped, format_seconds(c.comm_s),
                  format_seconds(c.exposed_s), _runs(c.runs),
                  "\n".join(c.flags)])
-  header = ["#", "kind", "start -> done", "computation", "bytes",
-            "overlapped", "comm", "exposed", "runs", "flags"]
-  if len({r[3] for r in rows}) <= 1 and len({c.computation for c in
-                                             report.copies} | {r[3] for r in
+  header = ["#", "kind", "source, leaf", "start -> done", "computation",
+            "bytes", "overlapped", "comm", "exposed", "runs", "flags"]
+  if len({r[4] for r in rows}) <= 1 and len({c.computation for c in
+                                             report.copies} | {r[4] for r in
                                                                rows}) <= 1:
-    header.pop(3)
-    rows = [r[:3] + r[4:] for r in rows]
+    header.pop(4)
+    rows = [r[:4] + r[5:] for r in rows]
   out.append((f"Collectives in the {report.schedule} schedule (times "
               f"modelled on {hw}, not measured)", header, rows))
   if report.copies:
@@ -92,8 +115,10 @@ def summary(report) -> list[str]:
       f"{report.hardware.name} (not measured):",
       f"  communication      {format_seconds(t['comm_s'])}",
       f"  exposed            {format_seconds(t['exposed_s'])}",
-      f"  perfect schedule   {format_seconds(t['bound_exposed_s'])} exposed"
-      f" (would save {format_seconds(max(saved, 0.0))})",
+      f"  perfect schedule   {format_seconds(t['bound_exposed_s'])} exposed,"
+      " data dependencies kept (would save "
+      f"{format_seconds(max(saved, 0.0), t['exposed_s'])}; all on one link "
+      f"and dependencies ignored: {format_seconds(t['serial_link_bound_s'])})",
       f"  compute            {format_seconds(report.compute_s)};"
       f" step {format_seconds(report.step_s)}",
   ]
@@ -123,7 +148,7 @@ def render(report, use_rich: bool | None = None, width: int = 140) -> str:
   return _render_plain(head, parts, summary(report))
 
 
-_WRAPS = {"flags", "started at", "written between start and done"}
+_WRAPS = {"started at", "written between start and done"}
 _NUMERIC = {"#", "bytes", "comm", "exposed", "runs", "copy", "compute",
             "exposed if kept"}
 

@@ -191,8 +191,9 @@ class _Builder:
 
   def emit(self, jaxpr, env: dict, sizes: dict[str, int],
            out: list[HloInstruction]) -> None:
-    """Appends the instructions of `jaxpr` to `out`. `env` maps each
-    in-flight value (a future's) to the instruction that holds it."""
+    """Appends the instructions of `jaxpr` to `out`. `env` maps each value
+    to the instruction that holds it (a future's, and every other value, so
+    that operands carry the program's data dependencies)."""
     for eqn in traced.eqns(jaxpr):
       # A nested jaxpr's equations carry their scopes relative to the
       # equation that holds it; jax joins them when it lowers, and so do we.
@@ -226,15 +227,15 @@ class _Builder:
     elif name in JAX_ASYNC_DONES:
       self.done(eqn, env, out, JAX_ASYNC_DONES[name], name[:-len("_done")])
     elif name in SYNC_COLLECTIVES:
-      self.synchronous(eqn, SYNC_COLLECTIVES[name], sizes, out)
+      self.synchronous(eqn, SYNC_COLLECTIVES[name], sizes, env, out)
     elif name in ("scan", "while"):
       self.loop(eqn, env, sizes, out)
     elif name == "cond":
       self.cond(eqn, env, sizes, out)
     elif name in traced.KERNEL_PRIMITIVES:
-      self.compute(eqn, "custom-call", out)
+      self.compute(eqn, "custom-call", env, out)
     elif name in FREE_PRIMITIVES or _scalar(eqn):
-      return
+      self.alias(eqn, env, out)
     else:
       subs = [s for value in eqn.params.values()
               for s in traced.sub_jaxprs(value)]
@@ -243,7 +244,7 @@ class _Builder:
       else:
         self.compute(eqn, {"dot_general": "dot",
                            "conv_general_dilated": "convolution"}.get(
-                               name, "fusion"), out)
+                               name, "fusion"), env, out)
 
   def start(self, eqn, kind, label, out_aval, size, perm, env, out,
             where=None) -> None:
@@ -251,7 +252,7 @@ class _Builder:
     attributes = self._group(kind, size, perm)
     attributes["metadata"] = self.metadata(label + "_start", eqn, where)
     instr = HloInstruction(self.fresh(label + "_start"), kind + "-start",
-                           shape, (), attributes)
+                           shape, self.operands(eqn, env), attributes)
     out.append(instr)
     self.comm[instr.name] = (kind, traced.aval_bytes(out_aval), size)
     env[eqn.outvars[0]] = instr.name
@@ -259,28 +260,59 @@ class _Builder:
   def done(self, eqn, env, out, kind: str, label: str) -> None:
     flight = eqn.invars[0]
     value = env.get(flight) if _is_var(flight) else None
-    out.append(HloInstruction(self.fresh(label + "_done"), kind + "-done",
-                              _shape(eqn.outvars[0].aval),
-                              (value,) if value else (), {}))
+    instr = HloInstruction(self.fresh(label + "_done"), kind + "-done",
+                           _shape(eqn.outvars[0].aval),
+                           (value,) if value else (), {})
+    out.append(instr)
+    self.produced(eqn, env, instr.name)
 
-  def synchronous(self, eqn, kind, sizes, out) -> None:
+  def operands(self, eqn, env) -> tuple[str, ...]:
+    """The instructions holding `eqn`'s inputs, each once."""
+    names = []
+    for v in eqn.invars:
+      if _is_var(v) and v in env and env[v] not in names:
+        names.append(env[v])
+    return tuple(names)
+
+  def produced(self, eqn, env, name: str) -> None:
+    for v in eqn.outvars:
+      env[v] = name
+
+  def alias(self, eqn, env, out) -> None:
+    """A free operation: its outputs are held where its inputs are (one
+    input), or by a free tuple joining them."""
+    names = self.operands(eqn, env)
+    if not names:
+      return
+    if len(names) == 1:
+      self.produced(eqn, env, names[0])
+      return
+    join = HloInstruction(self.fresh("join"), "tuple", Shape(elements=()),
+                          names, {})
+    out.append(join)
+    self.produced(eqn, env, join.name)
+
+  def synchronous(self, eqn, kind, sizes, env, out) -> None:
     size = traced.group_size(eqn, sizes)
     attributes = self._group(kind, size, eqn.params.get("perm"))
     attributes["metadata"] = self.metadata(eqn.primitive.name, eqn)
     avals = [v.aval for v in eqn.outvars]
     shape = _shape(avals[0]) if len(avals) == 1 else _tuple(avals)
-    instr = HloInstruction(self.fresh(eqn.primitive.name), kind, shape, (),
-                           attributes)
+    instr = HloInstruction(self.fresh(eqn.primitive.name), kind, shape,
+                           self.operands(eqn, env), attributes)
     out.append(instr)
+    self.produced(eqn, env, instr.name)
     self.comm[instr.name] = (kind, sum(traced.aval_bytes(a) for a in avals),
                              size)
 
-  def compute(self, eqn, opcode, out) -> None:
+  def compute(self, eqn, opcode, env, out) -> None:
     avals = [v.aval for v in eqn.outvars]
     shape = _shape(avals[0]) if len(avals) == 1 else _tuple(avals)
-    instr = HloInstruction(self.fresh(eqn.primitive.name), opcode, shape, (),
+    instr = HloInstruction(self.fresh(eqn.primitive.name), opcode, shape,
+                           self.operands(eqn, env),
                            {"metadata": self.metadata(eqn.primitive.name, eqn)})
     out.append(instr)
+    self.produced(eqn, env, instr.name)
     self.costs[instr.name] = _costs(eqn)
 
   def inline(self, eqn, sub, env, sizes, out) -> None:
@@ -310,8 +342,9 @@ class _Builder:
       fixed, trip = p["body_nconsts"], None
       carried = len(outer) - fixed
     body_in, body_out = traced.open_vars(body)
-    tracked = [k for k, v in enumerate(outer[:fixed + carried])
-               if _is_var(v) and v in env]
+    # Every input held here travels in the tuple, a scan's xs too (sliced in
+    # the body, passed through unchanged), so the body's operands see them.
+    tracked = [k for k, v in enumerate(outer) if _is_var(v) and v in env]
     init = HloInstruction(self.fresh("tuple"), "tuple", Shape(elements=()),
                           tuple(env[outer[k]] for k in tracked), {})
     out.append(init)
@@ -328,7 +361,7 @@ class _Builder:
     self.emit(body, body_env, sizes, instrs)
     root = []
     for index, k in enumerate(tracked):
-      value = body_out[k - fixed] if k >= fixed else None
+      value = body_out[k - fixed] if fixed <= k < fixed + carried else None
       root.append(body_env.get(value, passed[index]) if _is_var(value)
                   else passed[index])
     instrs.append(HloInstruction(self.fresh("tuple"), "tuple",
@@ -347,8 +380,11 @@ class _Builder:
           {"known_trip_count": {"n": str(trip)}})
     out.append(HloInstruction(loop_name, "while", Shape(elements=()),
                               (init.name,), attributes))
+    # What the loop makes (a scan's stacked outputs, carries it does not
+    # pass through) is held by the loop itself.
+    self.produced(eqn, env, loop_name)
     for index, k in enumerate(tracked):
-      if k >= fixed and _is_var(body_out[k - fixed]) and \
+      if fixed <= k < fixed + carried and _is_var(body_out[k - fixed]) and \
           body_out[k - fixed] in body_env:
         gte = HloInstruction(self.fresh("get-tuple-element"),
                              "get-tuple-element", Shape(elements=()),

@@ -1,0 +1,217 @@
+"""The short report: totals, the collectives that expose the most, and what
+to change (`print(report)`, `jax-overlap inspect FILE`).
+
+Plain lines, never cut at any width: each collective is two lines (what it
+is and what it cost; where it comes from and its flags), so the output reads
+the same on a terminal, in a pipe and in a log.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jax_overlap._src.inspection.report.table import (
+    format_bytes, format_seconds)
+
+#: How many collectives the summary lists.
+TOP = 5
+#: Below this a transfer is all latency on every built-in profile.
+SMALL_BYTES = 64 * 2**10
+
+_FUTURE = {"all-gather": "all_gather_start", "all-reduce": "psum_start",
+           "reduce-scatter": "psum_scatter_start",
+           "all-to-all": "all_to_all_start",
+           "collective-permute": "ppermute_start"}
+
+
+def render_summary(report, top: int = TOP) -> str:
+  """The summary of `report` as text."""
+  lines = [f"Overlap report: {report.source}"]
+  lines += _totals(report)
+  shown = _most_exposed(report, top)
+  if shown:
+    n = len(report.collectives)
+    lines.append("")
+    lines.append(f"Most exposed ({len(shown)} of {n} collective"
+                 f"{'s' if n != 1 else ''}; the whole table: --full, or "
+                 "report.table()):")
+    for rank, (i, c) in enumerate(shown, 1):
+      lines += _collective_lines(rank, i, c)
+  lines += hint_lines(report)
+  if report.notes:
+    lines.append("")
+    lines += [f"Note: {n}" for n in report.notes]
+  return "\n".join(lines) + "\n"
+
+
+def hint_lines(report) -> list[str]:
+  """'What to change:' and its hints, after a blank line (none: [])."""
+  hints = hints_for(report)
+  if not hints:
+    return []
+  return ["", "What to change:"] + [f"  - {h}" for h in hints]
+
+
+def _totals(report) -> list[str]:
+  t = report.totals
+  comm, exposed, bound = t["comm_s"], t["exposed_s"], t["bound_exposed_s"]
+  share = f" ({exposed / comm:.0%} of it)" if comm > 0 else ""
+  lines = [
+      f"{len(report.collectives)} collective"
+      f"{'' if len(report.collectives) == 1 else 's'} in the {report.schedule} "
+      f"schedule; times modelled on {report.hardware.name}, not measured.",
+      f"  communication   {format_seconds(comm)}",
+      f"  exposed         {format_seconds(exposed)}{share}",
+      f"  no schedule can hide {format_seconds(bound)} of it (data "
+      "dependencies kept); a better schedule could save "
+      f"{format_seconds(max(0.0, exposed - bound), exposed)}",
+      f"  compute         {format_seconds(report.compute_s)}; step "
+      f"{format_seconds(report.step_s)}",
+  ]
+  return lines
+
+
+def _most_exposed(report, top: int):
+  ranked = sorted(enumerate(report.collectives, 1),
+                  key=lambda ic: (-ic[1].exposed_s, ic[0]))
+  return [(i, c) for i, c in ranked[:top] if c.exposed_s > 0]
+
+
+def _collective_lines(rank: int, index: int, c) -> list[str]:
+  runs = f", {c.runs:g} runs" if c.runs != 1 else ""
+  head = (f"  {rank}. #{index} {c.kind} {c.start} -> {c.done or '?'}: exposed "
+          f"{format_seconds(c.exposed_s)} of {format_seconds(c.comm_s)}"
+          f"{runs}, {format_bytes(c.bytes)}")
+  where = f"at {_short(c.where)}" if c.where else "source line unknown"
+  leaf = f"leaf {c.leaf}" if c.leaf else "leaf unknown"
+  tail = f"     {where}; {leaf}"
+  if c.flags:
+    tail += "; " + "; ".join(c.flags)
+  return [head, tail]
+
+
+def hints_for(report) -> list[str]:
+  """What to change, the largest exposed time first (each a sentence)."""
+  found: list[tuple[float, str]] = []
+  collectives = report.collectives
+  t = report.totals
+  gap = t["exposed_s"] - t["bound_exposed_s"]
+  # When the dependencies force what is exposed, moving starts cannot help.
+  forced = t["exposed_s"] > 0 and gap <= 0.05 * t["exposed_s"]
+  small = [c for c in collectives if c.bytes < SMALL_BYTES and c.exposed_s > 0]
+  if len(small) >= 2:
+    leaves = _leaves(small)
+    found.append((sum(c.exposed_s for c in small),
+                  f"{len(small)} collectives under {format_bytes(SMALL_BYTES)} "
+                  f"expose {format_seconds(sum(c.exposed_s for c in small))}, "
+                  "nearly all latency: combine these leaves into fewer, "
+                  f"larger transfers ({leaves})"))
+  blocked = [c for c in collectives if c.made_blocking and c.exposed_s > 0]
+  if blocked:
+    c = blocked[0]
+    found.append((sum(b.exposed_s for b in blocked),
+                  f"{len(blocked)} collective(s) were made synchronous by the "
+                  f"backend (first: {c.start}{_at(c)}): they expose "
+                  f"{format_seconds(sum(b.exposed_s for b in blocked))}; "
+                  "keep the future but check the backend's async flags, or see "
+                  "what the written order would give (inspect(..., "
+                  "schedule='written'))"))
+  plain = [c for c in collectives if not c.is_async and not c.made_blocking
+           and c.exposed_s > 0 and c.kind in _FUTURE]
+  if plain:
+    c = max(plain, key=lambda p: p.exposed_s)
+    found.append((sum(p.exposed_s for p in plain),
+                  f"{len(plain)} blocking collective(s) expose "
+                  f"{format_seconds(sum(p.exposed_s for p in plain))} (largest:"
+                  f" {c.start}{_at(c)}): use jax_overlap.{_FUTURE[c.kind]} and "
+                  "call .done() where the value is first needed"))
+  for first in [] if forced else _first_exposed(report):
+    found.append((first.exposed_s,
+                  f"the first {first.kind} of {first.computation} "
+                  f"({first.start}{_at(first)}) overlaps nothing and exposes "
+                  f"{format_seconds(first.exposed_s)}: start it during the "
+                  "compute before it (the embedding, or the previous step's "
+                  "update)"))
+  for last in [] if forced else _last_exposed(report):
+    found.append((last.exposed_s,
+                  f"the last {last.kind} of {last.computation} "
+                  f"({last.start}{_at(last)}) overlaps nothing and exposes "
+                  f"{format_seconds(last.exposed_s)}: finish it later, during "
+                  "compute that does not need it (the optimizer update of "
+                  "other leaves)"))
+  queued = [c for c in collectives
+            if c.queued_behind and c.exposed_s > c.comm_s * 1.001]
+  if queued and not forced:
+    c = max(queued, key=lambda q: q.exposed_s - q.comm_s)
+    wait = sum(q.exposed_s - q.comm_s for q in queued)
+    found.append((wait,
+                  f"{len(queued)} collective(s) wait {format_seconds(wait)} "
+                  "beyond their own transfers for another on the same link "
+                  f"(largest: {c.start} queued behind "
+                  f"{', '.join(c.queued_behind)} on the {c.link} link): "
+                  "start them earlier, or what they wait for later"))
+  unknown = [c for c in collectives if any(f.startswith("trip count unknown")
+                                           for f in c.flags)]
+  if unknown:
+    found.append((0.0, f"{len(unknown)} collective(s) are in loops whose trip "
+                  "count was not found: they were modelled as running once"))
+  found.sort(key=lambda h: -h[0])
+  hints = [h for _, h in found[:5]]
+  if forced:
+    hints.insert(0, "what is exposed is what the data dependencies force: no "
+                 "schedule of this program hides more than "
+                 f"{format_seconds(max(gap, 0.0), t['exposed_s'])}; hiding "
+                 "more needs independent work beside the transfers, or fewer "
+                 "or larger ones")
+  return hints
+
+
+def _first_exposed(report):
+  """Per computation, its first async collective when it overlaps nothing
+  and exposes something (the first gather of a pass)."""
+  seen, out = set(), []
+  for c in report.collectives:
+    if c.computation in seen:
+      continue
+    seen.add(c.computation)
+    if c.is_async and not c.overlapped and c.exposed_s > 0:
+      out.append(c)
+  return out
+
+
+def _last_exposed(report):
+  """Per computation, its last async collective when it overlaps nothing,
+  exposes something and is not also its first."""
+  last = {}
+  for c in report.collectives:
+    last[c.computation] = c
+  firsts = {id(c) for c in _first_exposed(report)}
+  return [c for c in last.values() if c.is_async and not c.overlapped
+          and c.exposed_s > 0 and id(c) not in firsts]
+
+
+def _at(c) -> str:
+  return f" at {_short(c.where)}" if c.where else ""
+
+
+def _short(where: str) -> str:
+  """`file:line`, the file relative to the working directory when under it
+  (the record keeps it whole)."""
+  path, sep, line = where.rpartition(":")
+  if not sep or not os.path.isabs(path):
+    return where
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:   # another drive
+    return where
+  return where if rel.startswith("..") else f"{rel}:{line}"
+
+
+def _leaves(records, most: int = 4) -> str:
+  names = []
+  for c in records:
+    name = c.leaf or c.start
+    if name not in names:
+      names.append(name)
+  more = f", +{len(names) - most} more" if len(names) > most else ""
+  return ", ".join(names[:most]) + more
