@@ -233,3 +233,30 @@ ENTRY %e {
   a, b = OverlapReport.from_hlo(text, hardware=ROUND).collectives
   assert a.exposed_s == pytest.approx(7e-6)
   assert b.exposed_s == pytest.approx(7e-6)   # queued behind a
+
+
+def test_in_place_update_moves_only_its_slice():
+  # A scan stacking residuals updates its buffer in place once a step: costing
+  # the whole buffer made modelled compute grow with the square of the trip count.
+  module = parse_hlo_text('''HloModule m, is_scheduled=true
+%fused (p0: f32[24,256,256], p1: f32[1,256,256], p2: s32[]) -> f32[24,256,256] {
+  %p0 = f32[24,256,256]{2,1,0} parameter(0)
+  %p1 = f32[1,256,256]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[24,256,256]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)
+}
+ENTRY %main (a: f32[24,256,256], b: f32[1,256,256], i: s32[]) -> f32[24,256,256] {
+  %a = f32[24,256,256]{2,1,0} parameter(0)
+  %b = f32[1,256,256]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %d = f32[24,256,256]{2,1,0} dynamic-update-slice(%a, %b, %i, %z, %z)
+  ROOT %f = f32[24,256,256]{2,1,0} fusion(%d, %b, %i), kind=kLoop, calls=%fused
+}''')
+  entry = module.entry
+  slice_bytes = 256 * 256 * 4
+  for name in ("d", "f"):
+    _, nbytes = shape_costs(entry.by_name[name], entry, module)
+    # the update read and the slice written (and the scalar indices)
+    assert 2 * slice_bytes <= nbytes < 2 * slice_bytes + 64, (name, nbytes)

@@ -11,7 +11,12 @@ a live compile (`xla_cost.py`), else `shape_costs` here:
   gemm or matmul): as a dot, with the contracted dimensions of its
   `gemm_backend_config` (else the last of the left operand);
 * fusion: the dots and convolutions inside it;
-* bytes: operands in plus result out, for all of them.
+* bytes: operands in plus result out, for all of them, except that an
+  in-place update (`dynamic-update-slice`, or a fusion whose root is one, or a
+  tuple of them, updating a fusion parameter) moves only the slice it writes:
+  the buffer it updates is neither read nor written whole. A scan stacking
+  its residuals does one such update a step, and costing the whole buffer
+  made the modelled compute grow with the square of the trip count.
 
 A collective over a group of n devices moving B bytes (its result) over a
 link of bandwidth W (one direction) with latency a takes, on a ring:
@@ -109,7 +114,40 @@ def shape_costs(instr: HloInstruction, comp: HloComputation,
   if instr.opcode == "custom-call" and out.is_tuple and out.elements:
     out = out.elements[0]  # the rest is workspace
   nbytes = sum(s.bytes for s in operands) + out.bytes
+  nbytes -= _in_place_savings(instr, comp, module)
   return _flops(instr, comp, module, operands), nbytes
+
+
+def _in_place_savings(instr, comp, module) -> float:
+  """The bytes `shape_costs` counted for buffers that an in-place update
+  leaves where they are: each updated buffer once as an operand and once as
+  (part of) the result, less the slice written."""
+  if instr.opcode == "dynamic-update-slice":
+    updates = [(instr, comp, instr.operands[0] if instr.operands else None)]
+    fused_params = None
+  elif instr.opcode == "fusion" and instr.callees("calls"):
+    inner = module.computations.get(instr.callees("calls")[0])
+    if inner is None:
+      return 0.0
+    root = inner.root
+    roots = ([inner.by_name[o] for o in root.operands if o in inner.by_name]
+             if root.opcode == "tuple" else [root])
+    updates = [(r, inner, r.operands[0]) for r in roots
+               if r.opcode == "dynamic-update-slice" and r.operands]
+    fused_params = inner
+  else:
+    return 0.0
+  saved = 0.0
+  for dus, where, buffer in updates:
+    if buffer is None or buffer not in where.by_name or len(dus.operands) < 2:
+      continue
+    if fused_params is not None and where.by_name[buffer].opcode != "parameter":
+      continue  # the buffer is made inside the fusion: it is written whole
+    update = where.by_name.get(dus.operands[1])
+    update_bytes = update.shape.bytes if update is not None else 0
+    whole = dus.shape.bytes
+    saved += max(0.0, 2 * whole - update_bytes)  # left: the update read, the slice written
+  return saved
 
 
 def _flops(instr, comp, module, operands) -> float:
