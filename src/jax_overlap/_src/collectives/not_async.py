@@ -45,7 +45,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 _FUTURE_OF = {"reduce-scatter": "psum_scatter_start", "all-reduce": "psum_start",
-              "all-to-all": "all_to_all_start"}
+              "all-to-all": "all_to_all_start", "all-gather": "all_gather_start"}
 
 
 def warn_future_lowered_sync(platform: str, name: str, why: str) -> None:

@@ -16,6 +16,12 @@ themselves (then theirs is kept as given):
 * GPU: `xla_gpu_experimental_parallel_collective_overlap_limit` (XLA's default 1);
 * TPU: `xla_max_concurrent_async_all_gathers` (libtpu's default 1).
 
+A TPU module that holds an async all-to-all (the TPU form of
+`psum_scatter_start`, `psum_start`, `all_to_all_start`, and on v5p of
+`all_gather_start`: collectives/tpu_forms.py) also gets
+`xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
+pair (SIGSEGV), with it the all-to-all is async on v5e and v5p.
+
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
 """
@@ -31,6 +37,7 @@ from jax_overlap._src.collectives import not_async
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
+TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -39,9 +46,12 @@ def overlap_options(platform: str, starts: dict[str, int]) -> dict[str, Any]:
   total = sum(starts.values())
   if platform in _GPU_PLATFORMS and total > 1:
     return {GPU_OVERLAP_LIMIT: total}
+  options: dict[str, Any] = {}
   if platform == "tpu" and starts.get("all-gather", 0) > 1:
-    return {TPU_ALL_GATHER_LIMIT: starts["all-gather"]}
-  return {}
+    options[TPU_ALL_GATHER_LIMIT] = starts["all-gather"]
+  if platform == "tpu" and starts.get("all-to-all", 0) > 0:
+    options[TPU_ASYNC_ALL_TO_ALL] = True
+  return options
 
 
 _SYNC_COLLECTIVES = {
