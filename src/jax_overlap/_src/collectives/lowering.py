@@ -104,7 +104,11 @@ def _lower_form_start(ctx, x, comm, *, split):
   if op is None:
     return buf
   if split and _compat.ASYNC_CUSTOM_CALLS:
-    return _to_custom_call_pair(ctx, op, comm, split=True)
+    started = _to_custom_call_pair(ctx, op, comm, split=True)
+    owner = started.owner
+    owner = owner.operation if hasattr(owner, "operation") else owner
+    owner.attributes[tpu_forms.FORM_ATTR] = ir.UnitAttr.get()
+    return started
   if _compat.ASYNC_CUSTOM_CALLS:
     return _to_custom_call_pair(ctx, op, comm, split=False)
   if _fits_async_region(op):
@@ -118,13 +122,13 @@ def _lower_form_start_sync(ctx, x, comm):
   elsewhere). No all-to-all: with async all-to-alls on, TPU would make one
   of any all-to-all and then fail the module."""
   not_async.warn_once("tpu:all-to-all-in-flight", (
-      f"{comm.name}_start on tpu: another future's all-to-all (its async TPU "
-      "form) is already in flight here, and the TPU compiler allows one "
-      "async all-to-all at a time (libtpu 0.0.52; no option raises it), so "
-      "this one runs synchronously (values unchanged). Finish the first "
-      "future before starting the next, or use one collective for all the "
-      "buffers. Silence with warnings.filterwarnings('ignore', "
-      "category=jax_overlap.CollectiveNotAsyncWarning)."))
+      f"{comm.name}_start on tpu: its async TPU form is an all-to-all, and "
+      "the TPU compiler allows one async all-to-all at a time (libtpu "
+      "0.0.52; no option raises it): while another future's all-to-all is "
+      "already in flight, this one runs synchronously (values unchanged). "
+      "Finish the first future before starting the next, or use one "
+      "collective for all the buffers. Silence with warnings.filterwarnings("
+      "'ignore', category=jax_overlap.CollectiveNotAsyncWarning)."))
   sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.flight_aval])
   (buf,) = _compat.lower_jaxpr_inline(sub_ctx, comm.tpu_form.sync, x)
   _mark_sync_collectives(buf, stop=x)
@@ -179,19 +183,48 @@ _LAST_KEY = ("jax_overlap", "last TPU all-to-all done")
 
 
 def _after_last_tpu_all_to_all(ctx, x):
-  """`x`, made to wait for the previous form's done where that is in this
-  block; otherwise for all of this block's arguments (in a loop body, the
-  carries: so the previous iteration's done, once XLA unrolls the loop and
-  nothing else would order the two)."""
+  """`x`, made to wait for every all-to-all of a form lowered before it:
+  the previous form's done where that is in this block, and the results of
+  each loop, branch or call before it in this block that holds one (XLA may
+  unroll or inline those, and then nothing else orders the two); in a loop
+  body, also the body's arguments (the previous iteration's results)."""
   last = ctx.module_context.cached_primitive_lowerings.get(_LAST_KEY)
   here = ir.InsertionPoint.current.block
+  waits = []
   if last is not None and _block_of(last) == here:
-    waits = [last]
-  else:
-    waits = list(here.arguments)
+    waits.append(last)
+  for op in here.operations:
+    op = op.operation if hasattr(op, "operation") else op
+    if op.name in _HOLDERS and len(op.results) and _holds_form(ctx, op):
+      waits.extend(op.results)
+  parent = here.owner
+  if parent is not None and getattr(parent, "name", "") == "stablehlo.while":
+    waits.extend(here.arguments)
   if not waits:
     return x
   return hlo.OptimizationBarrierOp([x, *waits]).results[0]
+
+
+_HOLDERS = ("stablehlo.while", "stablehlo.case", "stablehlo.if", "func.call")
+
+
+def _holds_form(ctx, op) -> bool:
+  found = []
+
+  def visit(inner):
+    if inner.name == "stablehlo.custom_call" and \
+        "all-to-all-start" in str(inner.attributes["call_target_name"]):
+      found.append(inner)
+      return ir.WalkResult.INTERRUPT
+    return ir.WalkResult.ADVANCE
+  try:
+    if op.name == "func.call":
+      callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+      op = ctx.module_context.symbol_table[callee].operation
+    op.walk(visit)
+  except Exception:  # noqa: BLE001 - cannot tell: assume it does
+    return True
+  return bool(found)
 
 
 def _block_of(value):
@@ -410,3 +443,51 @@ if _compat.ASYNC_CUSTOM_CALLS:
     mlir.register_lowering(collective_start_p,
                            functools.partial(_lower_start, split=True),
                            platform=_platform, cacheable=False)
+
+
+def finish_form_starts_at_once(module) -> int:
+  """Makes each TPU-form all-to-all of `module` finish right where it
+  starts (the pair back to back; what ran between its halves now follows
+  it). Returns how many. For a module holding more than one: libtpu allows
+  one async all-to-all in flight and fails the compile when the fences (or
+  its own unrolling of a short loop) make two overlap."""
+  starts = []
+
+  def visit(op):
+    if op.name == "stablehlo.custom_call" and tpu_forms.FORM_ATTR in op.attributes:
+      starts.append(op)
+    return ir.WalkResult.ADVANCE
+  module.operation.walk(visit)
+  for start_op in starts:
+    started = start_op.results[0]
+    with start_op.location, ir.InsertionPoint(start_op):
+      done = mlir.custom_call("all-to-all-done", result_types=[started.type],
+                              operands=[started], api_version=1)
+    done_op = done.operation if hasattr(done, "operation") else done
+    done_op.move_after(start_op)
+    finished = done_op.results[0]
+    old_dones = []
+    for use in list(started.uses):
+      user = use.owner
+      user = user.operation if hasattr(user, "operation") else user
+      if user == done_op:
+        continue
+      user.operands[use.operand_number] = finished
+    # The old done now reads a finished value through the barriers: drop it.
+    frontier = [finished]
+    while frontier:
+      v = frontier.pop()
+      for use in list(v.uses):
+        user = use.owner
+        user = user.operation if hasattr(user, "operation") else user
+        if user.name == "stablehlo.optimization_barrier":
+          frontier.append(user.results[use.operand_number])
+        elif user.name == "stablehlo.custom_call" and \
+            "all-to-all-done" in str(user.attributes["call_target_name"]) and \
+            user != done_op:
+          old_dones.append(user)
+    for old in old_dones:
+      old.results[0].replace_all_uses_with(old.operands[0])
+      old.erase()
+    del start_op.attributes[tpu_forms.FORM_ATTR]
+  return len(starts)

@@ -88,11 +88,39 @@ def fenced_sync_collectives(computation) -> list[str]:
 def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
+  if platform == "tpu":
+    _one_form_at_most(computation)
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
   wanted = overlap_options(platform, _compat.async_collective_starts(computation))
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
+
+
+def _one_form_at_most(computation) -> None:
+  """A TPU module holding several futures in their TPU form (an all-to-all
+  each) gets them finished where they start: libtpu allows one async
+  all-to-all in flight, and a fenced order or its own unrolling of a short
+  loop would make two overlap (then it fails the compile)."""
+  try:
+    forms = _compat.async_collective_starts(computation).get("all-to-all", 0)
+  except Exception:  # noqa: BLE001 - not an MLIR module
+    return
+  if forms <= 1:
+    return
+  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  with computation.context:
+    done = lowering.finish_form_starts_at_once(computation)
+  if done:
+    not_async.warn_once("tpu:several-all-to-alls", (
+        f"{done} futures on tpu in one compiled program are in their TPU "
+        "form (psum_scatter_start, psum_start, all_to_all_start; "
+        "all_gather_start on v5p: an all-to-all each), and the TPU compiler "
+        "allows one async all-to-all at a time (libtpu 0.0.52; no option "
+        "raises it): each runs synchronously here (values unchanged). A "
+        "program with one such future keeps it in flight. Silence with "
+        "warnings.filterwarnings('ignore', "
+        "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
 _INSTALLED = _compat.add_compile_options_hook(_options_for)
