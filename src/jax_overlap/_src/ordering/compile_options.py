@@ -20,7 +20,10 @@ A TPU module that holds an async all-to-all (the TPU form of
 `psum_scatter_start`, `psum_start`, `all_to_all_start`, and on v5p of
 `all_gather_start`: collectives/tpu_forms.py) also gets
 `xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
-pair (SIGSEGV), with it the all-to-all is async on v5e and v5p.
+pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
+one async all-to-all in flight (no option raises it), so a TPU module holding
+more than one such future has each finished where it starts
+(`_one_form_at_most`, said with a `CollectiveNotAsyncWarning`).
 
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
