@@ -182,6 +182,21 @@ def probe_once(name: str, fn: Callable[[], Any]) -> Any:
   return _probe_answers[name]
 
 
+# --- the device a trace is for ------------------------------------------------
+
+def trace_device() -> tuple[str | None, str | None]:
+  """(platform, device_kind) of the mesh the current trace runs on, from
+  the abstract mesh's `abstract_device` (jax 0.12: inside a shard_map over a
+  mesh of devices); (None, None) where jax does not say."""
+  try:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  except Exception:  # noqa: BLE001 - no mesh: unknown
+    device = None
+  if device is None:
+    return None, None
+  return getattr(device, "platform", None), getattr(device, "device_kind", None)
+
+
 # --- tokens ------------------------------------------------------------------
 
 def _barrier_takes_tokens() -> bool:

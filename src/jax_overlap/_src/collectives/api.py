@@ -12,6 +12,7 @@ from jax._src import traceback_util
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - registers rules
+from jax_overlap._src.collectives import tpu_forms as _tpu_forms
 from jax_overlap._src.collectives.comm import Comm, trace_sync
 from jax_overlap._src.ordering import compile_options as _compile_options  # noqa: F401 - installs its hook
 from jax_overlap._src.collectives.future import Future, FutureState, user_frame
@@ -22,7 +23,7 @@ source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)
 
 
-def _start_future(name: str, fn, x) -> Future:
+def _start_future(name: str, fn, x, params=None) -> Future:
   where = user_frame()
   try:
     if not isinstance(x, (jax.Array, core.Tracer)):
@@ -33,8 +34,9 @@ def _start_future(name: str, fn, x) -> Future:
     # class: jax's subclasses take other constructor arguments).
     kind = next(k for k in (NameError, TypeError, ValueError) if isinstance(e, k))
     raise kind(f"{name}_start: {e}") from None
+  form = None if params is None else _tpu_forms.trace_form(name, params, x)
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state)
+  comm = Comm(name, jaxpr, state, form)
   in_flight, operand = start(comm, x)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm))
@@ -85,7 +87,8 @@ def all_gather_start(x, axis_name, *, axis: int = 0, tiled: bool = False,
           "takes `to`; this one does not.")
     kwargs["to"] = to
   fn = lambda v: jax.lax.all_gather(v, axis_name, **kwargs)
-  return _start_future("all_gather", fn, x)
+  return _start_future("all_gather", fn, x,
+                       dict(axis_name=axis_name, axis=axis, tiled=tiled, to=to))
 
 
 def psum_start(x, axis_name) -> Future:
@@ -113,7 +116,7 @@ def psum_start(x, axis_name) -> Future:
   """
   check_axis_name("psum", axis_name)
   fn = lambda v: jax.lax.psum(v, axis_name)
-  return _start_future("psum", fn, x)
+  return _start_future("psum", fn, x, dict(axis_name=axis_name))
 
 
 def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,
@@ -147,7 +150,8 @@ def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,
   check_axis_name("psum_scatter", axis_name)
   fn = lambda v: jax.lax.psum_scatter(
       v, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
-  return _start_future("psum_scatter", fn, x)
+  return _start_future("psum_scatter", fn, x, dict(
+      axis_name=axis_name, scatter_dimension=scatter_dimension, tiled=tiled))
 
 
 def all_to_all_start(x, axis_name, split_axis: int, concat_axis: int, *,
@@ -181,7 +185,9 @@ def all_to_all_start(x, axis_name, split_axis: int, concat_axis: int, *,
   check_axis_name("all_to_all", axis_name)
   fn = lambda v: jax.lax.all_to_all(v, axis_name, split_axis, concat_axis,
                                     tiled=tiled)
-  return _start_future("all_to_all", fn, x)
+  return _start_future("all_to_all", fn, x, dict(
+      axis_name=axis_name, split_axis=split_axis, concat_axis=concat_axis,
+      tiled=tiled))
 
 
 def ppermute_start(x, axis_name, perm) -> Future:

@@ -19,7 +19,8 @@ from jax._src import ad_util
 from jax._src import core
 from jax._src.interpreters import ad
 
-from jax_overlap._src.collectives.comm import transposed
+from jax_overlap._src import _compat
+from jax_overlap._src.collectives.comm import Comm, transposed
 from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p, finish, start)
 
@@ -28,7 +29,7 @@ def _start_jvp(primals, tangents, *, comm):
   (x,), (t,) = primals, tangents
   outs = collective_start_p.bind(x, comm=comm)
   if type(t) is ad_util.Zero:
-    return outs, [ad_util.Zero(comm.out_aval.to_tangent_aval()),
+    return outs, [ad_util.Zero(comm.flight_aval.to_tangent_aval()),
                   ad_util.Zero(comm.in_aval.to_tangent_aval())]
   return outs, collective_start_p.bind(t, comm=comm)
 
@@ -37,7 +38,9 @@ def _done_jvp(primals, tangents, *, comm):
   out = collective_done_p.bind(*primals, comm=comm)
   t_flight = tangents[0]
   if type(t_flight) is ad_util.Zero:
-    return out, ad_util.Zero(core.get_aval(primals[0]).to_tangent_aval())
+    out_aval = comm.out_aval if comm.tpu_form is not None \
+        else core.get_aval(primals[0])
+    return out, ad_util.Zero(out_aval.to_tangent_aval())
   t_args = [t_flight]
   if len(tangents) == 2 and type(tangents[1]) is not ad_util.Zero:
     t_args.append(tangents[1])
@@ -50,8 +53,11 @@ ad.primitive_jvps[collective_done_p] = _done_jvp
 
 def _done_transpose(ct, in_flight, *operand, comm):
   if not operand:
-    # The operand slot was lost at a boundary: pass the cotangent through,
-    # and the start's transpose runs the whole transposed collective.
+    # The operand slot was lost at a boundary: pass the cotangent through
+    # (through the TPU form's done, if any), and the start's transpose runs
+    # the whole transposed collective.
+    if comm.tpu_form is not None:
+      return [_backward(comm.tpu_form.done, ct)]
     return [ct]
   flight_aval = _aval(in_flight).to_tangent_aval()
   if type(ct) is ad_util.Zero:
@@ -71,15 +77,31 @@ def _start_transpose(cts, x, *, comm):
   ct_flight, ct_operand = cts
   total = None
   if type(ct_operand) is not ad_util.Zero:
-    # The transposed collective is in flight since the forward done: end it.
-    total = finish(ct_operand, None, comm)
-  if type(ct_flight) is not ad_util.Zero:
+    # The transposed collective is in flight since the forward done: end it
+    # (it was started without a TPU form: its done is the plain one).
+    plain = comm if comm.tpu_form is None else Comm(comm.name, comm.jaxpr,
+                                                    comm.state)
+    total = finish(ct_operand, None, plain)
+  if type(ct_flight) is not ad_util.Zero and comm.tpu_form is not None:
+    whole = _backward(comm.tpu_form.start, ct_flight)
+    total = whole if total is None else total + whole
+  elif type(ct_flight) is not ad_util.Zero:
     t_comm = transposed(comm, ct_flight)
     whole = finish(*start(t_comm, ct_flight), t_comm)
     total = whole if total is None else total + whole
   if total is None:
     return [ad_util.Zero(comm.in_aval.to_tangent_aval())]
   return [total]
+
+
+def _backward(closed, ct):
+  """The transpose of the linear one-in one-out jaxpr `closed` at `ct`."""
+  jaxpr = _compat.open_jaxpr(closed)
+  (ct_in,) = ad.backward_pass(jaxpr, False, _compat.jaxpr_consts(closed),
+                              [ad.UndefinedPrimal(closed.in_avals[0])], [ct])
+  if type(ct_in) is ad_util.Zero:
+    ct_in = ad.instantiate_zeros(ct_in)
+  return ct_in
 
 
 ad.primitive_transposes[collective_start_p] = _start_transpose

@@ -17,15 +17,18 @@ class Comm:
     name: the user-facing collective ('all_gather', 'psum', ...).
     jaxpr: closed jaxpr of the synchronous collective, x -> y.
     state: the `FutureState` shared by every copy of the future.
+    tpu_form: the collective as the TPU compiler takes it async
+      (`tpu_forms.Form`), or None.
   Compared by identity, like a jaxpr.
   """
 
-  __slots__ = ("name", "jaxpr", "state")
+  __slots__ = ("name", "jaxpr", "state", "tpu_form")
 
-  def __init__(self, name: str, jaxpr, state: FutureState):
+  def __init__(self, name: str, jaxpr, state: FutureState, tpu_form=None):
     self.name = name
     self.jaxpr = jaxpr
     self.state = state
+    self.tpu_form = tpu_form
 
   def __repr__(self):
     return f"Comm({self.name})"
@@ -37,6 +40,14 @@ class Comm:
   @property
   def in_aval(self):
     return self.jaxpr.in_avals[0]
+
+  @property
+  def flight_aval(self):
+    """The type of the value in flight between start and done: the result's,
+    or the TPU form's own buffer."""
+    if self.tpu_form is not None:
+      return self.tpu_form.start.out_avals[0]
+    return self.out_aval
 
 
 def trace_sync(fn, x):

@@ -34,6 +34,7 @@ from jax._src.lib.mlir.dialects import hlo
 
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
+from jax_overlap._src.collectives import tpu_forms
 from jax_overlap._src.collectives.comm import Comm
 from jax_overlap._src.collectives.misuse import check_finished
 from jax_overlap._src.collectives.primitives import (
@@ -52,6 +53,8 @@ _ASYNC_NAME = {
 
 def _lower_start(ctx, x, *, comm, split):
   check_finished(comm)
+  if comm.tpu_form is not None:
+    return [_lower_form_start(ctx, x, comm, split=split), x]
   sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.out_aval])
   (y,) = _compat.lower_jaxpr_inline(sub_ctx, comm.jaxpr, x)
   op = _collective_op(y)
@@ -66,26 +69,210 @@ def _lower_start(ctx, x, *, comm, split):
   return [y, x]
 
 
+def _platforms(ctx) -> tuple[str, ...]:
+  return tuple(ctx.module_context.platforms or ())
+
+
+def _device_kind(ctx) -> str | None:
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  try:
+    return mesh.devices.flat[0].device_kind
+  except Exception:  # noqa: BLE001 - an abstract mesh: unknown
+    return None
+
+
+def _all_axes_manual(ctx) -> bool:
+  """Inside a shard_map over every mesh axis: no sharding annotation is
+  emitted on values there, so a value in flight may have its own shape."""
+  axis_context = ctx.module_context.axis_context
+  manual = getattr(axis_context, "manual_axes", None)
+  mesh = getattr(axis_context, "mesh", None)
+  return bool(manual) and mesh is not None and \
+      set(manual) == set(mesh.axis_names)
+
+
+def _lower_form_start(ctx, x, comm, *, split):
+  """The TPU form's start (tpu_forms.py): its all-to-all is the pair."""
+  form = comm.tpu_form
+  if split and _compat.ASYNC_CUSTOM_CALLS and _platforms(ctx) == ("tpu",):
+    if not _take_tpu_all_to_all_slot(ctx):
+      return _lower_form_start_sync(ctx, x, comm)
+    x = _after_last_tpu_all_to_all(ctx, x)
+  sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.flight_aval])
+  (buf,) = _compat.lower_jaxpr_inline(sub_ctx, form.start, x)
+  op = _collective_op(buf)
+  if op is None:
+    return buf
+  if split and _compat.ASYNC_CUSTOM_CALLS:
+    started = _to_custom_call_pair(ctx, op, comm, split=True)
+    owner = started.owner
+    owner = owner.operation if hasattr(owner, "operation") else owner
+    owner.attributes[tpu_forms.FORM_ATTR] = ir.UnitAttr.get()
+    return started
+  if _compat.ASYNC_CUSTOM_CALLS:
+    return _to_custom_call_pair(ctx, op, comm, split=False)
+  if _fits_async_region(op):
+    return _to_async_region_pair(op)
+  return buf
+
+
+def _lower_form_start_sync(ctx, x, comm):
+  """The form's buffer, made by the plain synchronous collective: the
+  buffer whose done is that value (for a sum, the value in slot 0 and zeros
+  elsewhere). No all-to-all: with async all-to-alls on, TPU would make one
+  of any all-to-all and then fail the module."""
+  not_async.warn_once("tpu:all-to-all-in-flight", (
+      f"{comm.name}_start on tpu: its async TPU form is an all-to-all, and "
+      "the TPU compiler allows one async all-to-all at a time (libtpu "
+      "0.0.52; no option raises it): while another future's all-to-all is "
+      "already in flight, this one runs synchronously (values unchanged). "
+      "Finish the first future before starting the next, or use one "
+      "collective for all the buffers. Silence with warnings.filterwarnings("
+      "'ignore', category=jax_overlap.CollectiveNotAsyncWarning)."))
+  sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.flight_aval])
+  (buf,) = _compat.lower_jaxpr_inline(sub_ctx, comm.tpu_form.sync, x)
+  _mark_sync_collectives(buf, stop=x)
+  return buf
+
+
+def _mark_sync_collectives(value, stop):
+  """Marks the collectives `value` was made of (back to `stop`) as a
+  future's, said already: not "a plain collective fenced in a block"."""
+  seen, frontier = set(), [value]
+  while frontier:
+    v = frontier.pop()
+    owner = v.owner
+    if v == stop or isinstance(owner, ir.Block):
+      continue
+    op = owner.operation if hasattr(owner, "operation") else owner
+    if id(op) in seen or len(seen) > 64:
+      continue
+    seen.add(id(op))
+    if op.name in _ASYNC_NAME:
+      op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
+    frontier.extend(op.operands)
+
+
+# The TPU compiler fails a module whose fenced order puts two async
+# all-to-alls in flight at once ("kExceedsOverlapLimit"; no option raises that
+# limit): a form's all-to-all starts async only while no other is open. The
+# count is kept per module, in the order starts and dones are lowered, which
+# is the written order that program_order fences.
+_OPEN_KEY = ("jax_overlap", "open TPU all-to-alls")
+
+
+def _take_tpu_all_to_all_slot(ctx) -> bool:
+  cache = ctx.module_context.cached_primitive_lowerings
+  if cache.get(_OPEN_KEY, 0) >= 1:
+    return False
+  cache[_OPEN_KEY] = cache.get(_OPEN_KEY, 0) + 1
+  return True
+
+
+def _free_tpu_all_to_all_slot(ctx, done) -> None:
+  cache = ctx.module_context.cached_primitive_lowerings
+  cache[_OPEN_KEY] = max(cache.get(_OPEN_KEY, 0) - 1, 0)
+  cache[_LAST_KEY] = done
+
+
+# ... and the slot must be free in the compiled order too: XLA may hoist the
+# next start (whose operand is ready) above the previous done, and with the
+# fences around each then finds no schedule. So a form's start waits for
+# the previous form's done, where both are in the same block.
+_LAST_KEY = ("jax_overlap", "last TPU all-to-all done")
+
+
+def _after_last_tpu_all_to_all(ctx, x):
+  """`x`, made to wait for every all-to-all of a form lowered before it:
+  the previous form's done where that is in this block, and the results of
+  each loop, branch or call before it in this block that holds one (XLA may
+  unroll or inline those, and then nothing else orders the two); in a loop
+  body, also the body's arguments (the previous iteration's results)."""
+  last = ctx.module_context.cached_primitive_lowerings.get(_LAST_KEY)
+  here = ir.InsertionPoint.current.block
+  waits = []
+  if last is not None and _block_of(last) == here:
+    waits.append(last)
+  for op in here.operations:
+    op = op.operation if hasattr(op, "operation") else op
+    if op.name in _HOLDERS and len(op.results) and _holds_form(ctx, op):
+      waits.extend(op.results)
+  parent = here.owner
+  if parent is not None and getattr(parent, "name", "") == "stablehlo.while":
+    waits.extend(here.arguments)
+  if not waits:
+    return x
+  return hlo.OptimizationBarrierOp([x, *waits]).results[0]
+
+
+_HOLDERS = ("stablehlo.while", "stablehlo.case", "stablehlo.if", "func.call")
+
+
+def _holds_form(ctx, op) -> bool:
+  found = []
+
+  def visit(inner):
+    if inner.name == "stablehlo.custom_call" and \
+        "all-to-all-start" in str(inner.attributes["call_target_name"]):
+      found.append(inner)
+      return ir.WalkResult.INTERRUPT
+    return ir.WalkResult.ADVANCE
+  try:
+    if op.name == "func.call":
+      callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+      op = ctx.module_context.symbol_table[callee].operation
+    op.walk(visit)
+  except Exception:  # noqa: BLE001 - cannot tell: assume it does
+    return True
+  return bool(found)
+
+
+def _block_of(value):
+  try:
+    owner = value.owner
+    owner = owner.operation if hasattr(owner, "operation") else owner
+    return owner.block
+  except Exception:  # noqa: BLE001 - a block argument, or unknown
+    return None
+
+
+def _lower_form_done(ctx, buf, comm):
+  form = comm.tpu_form
+  sub_ctx = ctx.replace(avals_in=[comm.flight_aval], avals_out=[comm.out_aval])
+  (y,) = _compat.lower_jaxpr_inline(sub_ctx, form.done, buf)
+  return y
+
+
 def _sync_on_this_platform(ctx, op) -> bool:
   """Whether this backend cannot take `op` as an async pair (then the start
-  stays the synchronous collective, and the user is told once)."""
-  platforms = tuple(ctx.module_context.platforms or ())
+  stays the synchronous collective, and the user is told once). Reached on
+  TPU only where the future has no usable TPU form (`_usable_tpu_form`)."""
+  platforms = _platforms(ctx)
   if "tpu" not in platforms:
     return False
   name = _ASYNC_NAME[op.name]
   why = None
   if name == "reduce-scatter":
-    why = ("an async reduce-scatter under program_order crashes the TPU "
-           "compiler (SIGSEGV in AsyncCollectiveReplacer, libtpu 0.0.52)")
+    why = ("an async reduce-scatter crashes the TPU compiler (SIGSEGV in "
+           "AsyncCollectiveReplacer, libtpu 0.0.52)")
   elif name == "all-reduce":
     why = ("the TPU compiler has no async all-reduce pair (synchronous, or "
            "'all-reduce-start is not implemented on TPU' with the async flags)")
   elif name == "all-to-all":
-    why = ("an async all-to-all under program_order crashes the TPU compiler "
-           "(SIGSEGV with XLA's default flags, of rank 2 and 3 alike, libtpu 0.0.52)")
+    why = ("an async all-to-all of this buffer crashes the TPU compiler "
+           "(SIGSEGV, or 'dimension is tiled', libtpu 0.0.52)")
+  elif name == "all-gather" and \
+      _device_kind(ctx) in tpu_forms.SYNC_ALL_GATHER_KINDS:
+    why = ("the TPU v5p compiler makes every all-gather synchronous "
+           "(libtpu 0.0.52)")
   if why is None:
     return False
-  not_async.warn_future_lowered_sync("tpu", name, why)
+  not_async.warn_future_lowered_sync("tpu", name, why + (
+      "; its async TPU form (an all-to-all, see the README's 'On the real TPU "
+      "and GPU compilers') "
+      "needs one mesh axis name, a shard_map over a mesh of TPU devices, and "
+      "a split dimension the axis size divides (not under vmap, nor as the "
+      "transpose autodiff makes of another future)"))
   return True
 
 
@@ -211,36 +398,41 @@ def _to_async_region_pair(op):
 
 
 def _lower_done(ctx, in_flight, *operand, comm):
-  del ctx, operand, comm
-  name = _find_start(in_flight)
-  if name is None:
-    return [in_flight]
-  return [_done_custom_call(name, in_flight)]
+  del operand
+  name, _ = _find_start(in_flight)
+  done = in_flight if name is None else _done_custom_call(name, in_flight)
+  if name is not None and comm.tpu_form is not None and \
+      _platforms(ctx) == ("tpu",):
+    _free_tpu_all_to_all_slot(ctx, done)
+  if comm.tpu_form is not None:
+    return [_lower_form_done(ctx, done, comm)]
+  return [done]
 
 
 def _find_start(value):
-  """The '<op>' of an unfinished '<op>-start' custom call `value` comes from.
+  """The '<op>' of an unfinished '<op>-start' custom call `value` comes
+  from, and that custom call.
 
   Looks through the optimization barriers `program_order` puts between the
   two halves. None when the value is already finished (CPU, old jax) or was
-  never async.
+  never async: (None, None).
   """
   while True:
     owner = value.owner
     if isinstance(owner, ir.Block):
-      return None
+      return None, None
     op = owner.operation if hasattr(owner, "operation") else owner
     if op.name == "stablehlo.optimization_barrier":
       index = list(op.results).index(value)
       value = op.operands[index]
       continue
     if op.name != "stablehlo.custom_call":
-      return None
+      return None, None
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     if target.endswith("-start") and target[:-len("-start")] in \
         _ASYNC_NAME.values():
-      return target[:-len("-start")]
-    return None
+      return target[:-len("-start")], op
+    return None, None
 
 
 mlir.register_lowering(collective_start_p,
@@ -252,3 +444,51 @@ if _compat.ASYNC_CUSTOM_CALLS:
     mlir.register_lowering(collective_start_p,
                            functools.partial(_lower_start, split=True),
                            platform=_platform, cacheable=False)
+
+
+def finish_form_starts_at_once(module) -> int:
+  """Makes each TPU-form all-to-all of `module` finish right where it
+  starts (the pair back to back; what ran between its halves now follows
+  it). Returns how many. For a module holding more than one: libtpu allows
+  one async all-to-all in flight and fails the compile when the fences (or
+  its own unrolling of a short loop) make two overlap."""
+  starts = []
+
+  def visit(op):
+    if op.name == "stablehlo.custom_call" and tpu_forms.FORM_ATTR in op.attributes:
+      starts.append(op)
+    return ir.WalkResult.ADVANCE
+  module.operation.walk(visit)
+  for start_op in starts:
+    started = start_op.results[0]
+    with start_op.location, ir.InsertionPoint(start_op):
+      done = mlir.custom_call("all-to-all-done", result_types=[started.type],
+                              operands=[started], api_version=1)
+    done_op = done.operation if hasattr(done, "operation") else done
+    done_op.move_after(start_op)
+    finished = done_op.results[0]
+    old_dones = []
+    for use in list(started.uses):
+      user = use.owner
+      user = user.operation if hasattr(user, "operation") else user
+      if user == done_op:
+        continue
+      user.operands[use.operand_number] = finished
+    # The old done now reads a finished value through the barriers: drop it.
+    frontier = [finished]
+    while frontier:
+      v = frontier.pop()
+      for use in list(v.uses):
+        user = use.owner
+        user = user.operation if hasattr(user, "operation") else user
+        if user.name == "stablehlo.optimization_barrier":
+          frontier.append(user.results[use.operand_number])
+        elif user.name == "stablehlo.custom_call" and \
+            "all-to-all-done" in str(user.attributes["call_target_name"]) and \
+            user != done_op:
+          old_dones.append(user)
+    for old in old_dones:
+      old.results[0].replace_all_uses_with(old.operands[0])
+      old.erase()
+    del start_op.attributes[tpu_forms.FORM_ATTR]
+  return len(starts)

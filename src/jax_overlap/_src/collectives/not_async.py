@@ -4,10 +4,11 @@ Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
 
 * a future the backend cannot compile as an async pair, which the library
   lowers synchronously instead (values unchanged, nothing in flight): on TPU
-  (libtpu 0.0.52) `psum_scatter_start` (an async reduce-scatter under
-  `program_order` crashes the compiler), `psum_start` (all-reduce-start is
-  synchronous, or "not implemented" with the async flags) and
-  `all_to_all_start` (SIGSEGV in the compiler, rank 2 and 3 alike);
+  (libtpu 0.0.52) a `psum_scatter_start`, `psum_start` or `all_to_all_start`
+  (and on v5p an `all_gather_start`) that has no TPU form (tpu_forms.py:
+  several axis names, vmap, a transpose made by autodiff), and the futures in
+  TPU form of a program holding more than one (libtpu allows one async
+  all-to-all in flight);
 * a plain synchronous collective (`jax.lax.all_gather`, `psum`, ...) inside
   an ordered block compiled for TPU or GPU: the fences keep it synchronous
   where XLA left to itself would have made it async. Use its `*_start`
@@ -45,7 +46,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 _FUTURE_OF = {"reduce-scatter": "psum_scatter_start", "all-reduce": "psum_start",
-              "all-to-all": "all_to_all_start"}
+              "all-to-all": "all_to_all_start", "all-gather": "all_gather_start"}
 
 
 def warn_future_lowered_sync(platform: str, name: str, why: str) -> None:

@@ -22,14 +22,16 @@ collective_done_p = EagerAwarePrimitive("collective_done")
 
 def _start_abstract_eval(x_aval, *, comm):
   del x_aval
-  return [comm.out_aval, comm.in_aval], comm.jaxpr.effects
+  return [comm.flight_aval, comm.in_aval], comm.jaxpr.effects
 
 
 collective_start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
 def _done_abstract_eval(in_flight, *operand, comm):
-  del operand, comm
+  del operand
+  if comm.tpu_form is not None:
+    return comm.out_aval
   return in_flight
 
 
@@ -42,12 +44,15 @@ collective_done_p.def_abstract_eval(_done_abstract_eval)
 # one dropped without done() is reported when it is collected.
 def _start_eagerly(x, *, comm):
   comm.state.watch()
-  (y,) = core.jaxpr_as_fun(comm.jaxpr)(x)
+  jaxpr = comm.jaxpr if comm.tpu_form is None else comm.tpu_form.start
+  (y,) = core.jaxpr_as_fun(jaxpr)(x)
   return [y, x]
 
 
 def _done_eagerly(in_flight, *operand, comm):
-  del operand, comm
+  del operand
+  if comm.tpu_form is not None:
+    (in_flight,) = core.jaxpr_as_fun(comm.tpu_form.done)(in_flight)
   return in_flight
 
 
@@ -74,7 +79,12 @@ def _batched(comm: Comm, axis_data) -> Comm:
   it; both get the same jaxpr (jax memoizes `batch_jaxpr`) and state, so the
   done's transpose sees the batched types."""
   jaxpr, _ = batching.batch_jaxpr(comm.jaxpr, axis_data, [True], [True])
-  return Comm(comm.name, jaxpr, comm.state)
+  form = comm.tpu_form
+  if form is not None:
+    form = type(form)(
+        batching.batch_jaxpr(form.start, axis_data, [True], [True])[0],
+        batching.batch_jaxpr(form.done, axis_data, [True], [True])[0])
+  return Comm(comm.name, jaxpr, comm.state, form)
 
 
 def _start_batch(axis_data, args, dims, *, comm):

@@ -16,6 +16,15 @@ themselves (then theirs is kept as given):
 * GPU: `xla_gpu_experimental_parallel_collective_overlap_limit` (XLA's default 1);
 * TPU: `xla_max_concurrent_async_all_gathers` (libtpu's default 1).
 
+A TPU module that holds an async all-to-all (the TPU form of
+`psum_scatter_start`, `psum_start`, `all_to_all_start`, and on v5p of
+`all_gather_start`: collectives/tpu_forms.py) also gets
+`xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
+pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
+one async all-to-all in flight (no option raises it), so a TPU module holding
+more than one such future has each finished where it starts
+(`_one_form_at_most`, said with a `CollectiveNotAsyncWarning`).
+
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
 """
@@ -31,6 +40,7 @@ from jax_overlap._src.collectives import not_async
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
+TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -39,9 +49,12 @@ def overlap_options(platform: str, starts: dict[str, int]) -> dict[str, Any]:
   total = sum(starts.values())
   if platform in _GPU_PLATFORMS and total > 1:
     return {GPU_OVERLAP_LIMIT: total}
+  options: dict[str, Any] = {}
   if platform == "tpu" and starts.get("all-gather", 0) > 1:
-    return {TPU_ALL_GATHER_LIMIT: starts["all-gather"]}
-  return {}
+    options[TPU_ALL_GATHER_LIMIT] = starts["all-gather"]
+  if platform == "tpu" and starts.get("all-to-all", 0) > 0:
+    options[TPU_ASYNC_ALL_TO_ALL] = True
+  return options
 
 
 _SYNC_COLLECTIVES = {
@@ -78,11 +91,39 @@ def fenced_sync_collectives(computation) -> list[str]:
 def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
+  if platform == "tpu":
+    _one_form_at_most(computation)
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
   wanted = overlap_options(platform, _compat.async_collective_starts(computation))
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
+
+
+def _one_form_at_most(computation) -> None:
+  """A TPU module holding several futures in their TPU form (an all-to-all
+  each) gets them finished where they start: libtpu allows one async
+  all-to-all in flight, and a fenced order or its own unrolling of a short
+  loop would make two overlap (then it fails the compile)."""
+  try:
+    forms = _compat.async_collective_starts(computation).get("all-to-all", 0)
+  except Exception:  # noqa: BLE001 - not an MLIR module
+    return
+  if forms <= 1:
+    return
+  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  with computation.context:
+    done = lowering.finish_form_starts_at_once(computation)
+  if done:
+    not_async.warn_once("tpu:several-all-to-alls", (
+        f"{done} futures on tpu in one compiled program are in their TPU "
+        "form (psum_scatter_start, psum_start, all_to_all_start; "
+        "all_gather_start on v5p: an all-to-all each), and the TPU compiler "
+        "allows one async all-to-all at a time (libtpu 0.0.52; no option "
+        "raises it): each runs synchronously here (values unchanged). A "
+        "program with one such future keeps it in flight. Silence with "
+        "warnings.filterwarnings('ignore', "
+        "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
 _INSTALLED = _compat.add_compile_options_hook(_options_for)
