@@ -28,6 +28,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 HERE = pathlib.Path(__file__).parent
 TARGETS = ("tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_a100", "gpu_h100_2x8")
@@ -185,14 +186,14 @@ def merge(files) -> str:
       row.append("; ".join(parts) + f" ({_tag(r['versions'], platform)})")
     lines.append(f"| {platform.upper()} | " + " | ".join(row) + " |")
   lines += ["", "### The futures, fsdp_scan and collective matmul", "",
-            "Futures under `program_order`, a matmul written between start and "
+            *textwrap.wrap("Futures under `program_order`, a matmul written between start and "
             "`done()`: *async, matmul inside* is an async pair with the matmul in "
             "its window. fsdp_scan (4 layers, 2 weights; *grad* is `value_and_grad`): "
-            "*k/n* is k of the n gathers (all but each pass's first layer's) and "
-            "reduce-scatters (all but the last layer's) that should have a matmul "
-            "in flight. Collective matmul: async permutes with a block matmul in "
-            "the window / all permutes. *warned*: the library said so at compile "
-            "time; *NOT said*: it did not.", "",
+            "*k/n*: k gathers (reduce-scatters) with a matmul in flight, n wanted "
+            "(all gathers but each pass's first layer's, all reduce-scatters but "
+            "the last layer's). Collective matmul, forward / backward: async "
+            "permutes with a block matmul in the window / all permutes. *warned*: "
+            "the library said so at compile time; *NOT said*: it did not.", 90), "",
             "| target, jax | " + " | ".join(c[0] for c in COLUMNS) + " |",
             "|---|" + "---|" * len(COLUMNS)]
   for name in TARGETS:
