@@ -10,6 +10,7 @@
 #                      real TPU v5e / H100 compilers, ahead of time, in .venv-aot
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
 #   make test-aot      tests/aot/ (the real TPU and GPU compilers, ahead of time) in .venv-aot
+#   make test-aot-jaxX tests/aot/'s older-jax subset on jax X (0.10.2, 0.11.0) in .venv-aot-jaxX
 #   make venvs         create/refresh every venv without testing
 #   make clean         remove the venvs and build leftovers
 #
@@ -110,6 +111,33 @@ $(AOT_VENV)/.installed: pyproject.toml $(AOT_PINS)
 test-aot: $(AOT_VENV)/.installed
 	$(AOT_VENV)/bin/python -m pytest -q tests/aot $(PYTEST_ARGS)
 
+# The same compilers for the older jax: .venv-aot-jaxX (jax X, its own CUDA plugin wheels and
+# the libtpu its `jax[tpu]` extra names, pinned in constraints/aot-jax-X.txt) and
+# `make test-aot-jaxX`, which runs tests/aot's OLDER_JAX_SUBSET (the written order, the five
+# futures and fsdp_scan on TPU v5e and GPU H100; see tests/aot/real_compilers_test.py).
+AOT_OLDER := 0.10.2 0.11.0
+aot_venv = .venv-aot-jax$(1)
+AOT_OLDER_STAMPS := $(foreach v,$(AOT_OLDER),$(call aot_venv,$(v))/.installed)
+
+.venv-aot-jax%/.installed: pyproject.toml constraints/jax-%.txt constraints/aot-jax-%.txt
+	@if [ -z "$(PY_FOR_$*)" ]; then \
+	  echo "error: no Python interpreter for jax $* (see PY311 / PY312)." >&2; exit 1; fi
+	@echo "--- $(@D): jax $* + its TPU/GPU compile wheels on $(PY_FOR_$*)"
+	@test -x $(@D)/bin/python || $(PY_FOR_$*) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q -c constraints/jax-$*.txt -r constraints/aot-jax-$*.txt -e '.[test]'
+	@touch $@
+
+.PHONY: aot-venvs
+aot-venvs: $(AOT_VENV)/.installed $(AOT_OLDER_STAMPS)
+
+define aot_per_version
+.PHONY: test-aot-jax$(1)
+test-aot-jax$(1): $(call aot_venv,$(1))/.installed
+	JAX_OVERLAP_AOT_SUBSET=older $(call aot_venv,$(1))/bin/python -m pytest -q tests/aot $$(PYTEST_ARGS)
+endef
+$(foreach v,$(AOT_OLDER),$(eval $(call aot_per_version,$(v))))
+
 # --- fuzzing --------------------------------------------------------------------
 # `make test` runs tests/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
 # new random programs per fuzz test (hypothesis prints how to reproduce a failure). Each
@@ -151,7 +179,7 @@ endif
 # --- misc ---------------------------------------------------------------------
 .PHONY: clean print-%
 clean:
-	rm -rf $(foreach v,$(JAX_VERSIONS),$(call venv,$(v))) $(AOT_VENV) build dist src/*.egg-info
+	rm -rf $(foreach v,$(JAX_VERSIONS),$(call venv,$(v))) $(AOT_VENV) $(foreach v,$(AOT_OLDER),$(call aot_venv,$(v))) build dist src/*.egg-info
 
 # `make -s print-PY312` prints a variable (used by .ci/run).
 print-%:

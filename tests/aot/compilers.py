@@ -24,6 +24,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata-server lookup
+# libtpu takes /tmp/libtpu_lockfile for the chips of this host; there are none,
+# and without this a second process compiling for TPU (another test run, the
+# subprocess of compile_in_subprocess) fails with "multi-process lockfile".
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -31,25 +35,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 SPECS = pathlib.Path(__file__).parent / "specs"
 
-#: name -> (platform, topology, GPU target-config file or None).
+#: name -> (platform, topology, GPU target-config file or None). GPU
+#: topologies are "partitions x hosts x GPUs per host": "1x2x8" is 16 GPUs on
+#: two hosts (devices 8-15 have process_index 1).
 TARGETS = {
     "tpu_v5e": ("tpu", "v5e:2x4", None),
     "tpu_v5p": ("tpu", "v5p:2x2x2", None),
     "gpu_h100": ("cuda", "1x1x8", "NVIDIA_H100_80GB_HBM3.txtpb"),
     "gpu_a100": ("cuda", "1x1x8", "NVIDIA_A100_SXM4_80GB.txtpb"),
+    "gpu_h100_2x8": ("cuda", "1x2x8", "NVIDIA_H100_80GB_HBM3.txtpb"),
+    "gpu_a100_2x8": ("cuda", "1x2x8", "NVIDIA_A100_SXM4_80GB.txtpb"),
 }
 TPUS = ("tpu_v5e", "tpu_v5p")
-GPUS = ("gpu_h100", "gpu_a100")
+GPUS = ("gpu_h100", "gpu_a100", "gpu_h100_2x8", "gpu_a100_2x8")
 
 
 class Target(NamedTuple):
   name: str
   platform: str  # "tpu" or "cuda"
-  mesh: Mesh     # 8 devices along one axis, "x"
+  mesh: Mesh     # every device of the topology along one axis, "x"
 
   @property
   def is_tpu(self) -> bool:
     return self.platform == "tpu"
+
+  @property
+  def n(self) -> int:
+    return self.mesh.devices.size
 
 
 def _missing(platform: str) -> str | None:
@@ -76,13 +88,21 @@ def _topology(name: str):
   if platform == "tpu":
     return topologies.get_topology_desc(topology_name=topology, platform="tpu")
   return topologies.get_topology_desc(
-      platform="cuda", target_config=(SPECS / spec).read_text(),
+      platform="cuda", target_config=spec_file(spec).read_text(),
       topology=topology)
 
 
-def target(name: str) -> Target:
-  """The 8-device mesh (axis "x") of target `name`; skips where its wheels
-  are absent, fails where they are present and the topology is refused."""
+def spec_file(spec: str) -> pathlib.Path:
+  """`spec`, or its copy for this jax where the plugin's proto is older
+  (`<stem>.jax<version>.txtpb`: fields it does not know removed, specs/README.md)."""
+  own = SPECS / spec.replace(".txtpb", f".jax{jax.__version__}.txtpb")
+  return own if own.exists() else SPECS / spec
+
+
+def target(name: str, explicit: bool = False) -> Target:
+  """The mesh (axis "x", all devices) of target `name`, with an Explicit
+  axis type if `explicit`; skips where its wheels are absent, fails where
+  they are present and the topology is refused."""
   platform = TARGETS[name][0]
   missing = _missing(platform)
   if missing:
@@ -92,7 +112,14 @@ def target(name: str) -> Target:
   except Exception as e:  # noqa: BLE001 - the wheels are here: a failure is ours to see
     pytest.fail(f"{name}: get_topology_desc failed although its wheels are "
                 f"installed: {type(e).__name__}: {e}")
-  return Target(name, platform, Mesh(list(topo.devices), ("x",)))
+  if explicit:
+    if not hasattr(jax.sharding, "AxisType"):
+      pytest.skip(f"jax {jax.__version__} has no jax.sharding.AxisType")
+    mesh = Mesh(list(topo.devices), ("x",),
+                axis_types=(jax.sharding.AxisType.Explicit,))
+  else:
+    mesh = Mesh(list(topo.devices), ("x",))
+  return Target(name, platform, mesh)
 
 
 def arg(target_: Target, shape: Sequence[int], spec: P = P(), dtype=None):
@@ -118,6 +145,7 @@ def compile_in_subprocess(source: str, timeout: float = 300) -> subprocess.Compl
       sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
       from compilers import *
       """)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(source)],
                         capture_output=True, text=True, timeout=timeout, env=env)

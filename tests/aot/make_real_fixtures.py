@@ -1,21 +1,40 @@
-"""Regenerates tests/fixtures/hlo/real/{gpu,tpu}_*: scheduled modules from the
-real compilers, for the inspector's tests.
+"""Regenerates tests/fixtures/hlo/real/{gpu,tpu}_*-jax<V>.*: scheduled modules
+from the real compilers, for the inspector's tests.
 
-For each program (fsdp_scan forward and value_and_grad, all_gather_matmul
-and matmul_reduce_scatter forward) and target (GPU H100, TPU v5e 2x4), one
-process compiles it with XLA's dump on and writes two files:
-`<target>_<program>.as_text.txt` (`compile().as_text()`) and
-`<target>_<program>.after_optimizations.txt` (the dump file users bring from
-their clusters), plus `versions.txt`. Run in .venv-aot:
+For each program and target (GPU H100 x8, TPU v5e 2x4), one process compiles
+it with XLA's dump on and writes two files,
+`<target>_<program>-jax<V>.as_text.txt` (`compile().as_text()`) and
+`<target>_<program>-jax<V>.after_optimizations.txt` (the dump file users
+bring from their clusters), and the jax version's section of `versions.txt`
+(jaxlib, libtpu, CUDA plugin; and each program that does not compile there,
+with the compiler's first line). Programs (real_compilers_test.PROGRAMS):
 
-    .venv-aot/bin/python tests/aot/make_real_fixtures.py [gpu] [tpu] [readers]
+- fsdp_scan_forward, fsdp_scan_value_and_grad: 4 layers, 2 weights a layer,
+  inside shard_map over 8 devices; fsdp_scan_explicit_forward: the same on
+  an Explicit mesh (jax.set_mesh, no shard_map: no futures, so it compiles
+  on the older jax too);
+- all_gather_matmul, matmul_reduce_scatter: the forward;
+- dp_tp_mlp: a data + tensor parallel training step, a Megatron-style MLP
+  with sequence parallelism on a (data, model) = (2, 4) mesh, plain jax
+  collectives; dp_tp_mlp_overlapped: the same with the library's
+  all_gather_matmul / matmul_reduce_scatter.
+
+Run it in each aot venv (the older jax's make only what compiles there):
+
+    for v in .venv-aot .venv-aot-jax0.11.0 .venv-aot-jax0.10.2; do
+      PYTHONPATH=$PWD/src $v/bin/python tests/aot/make_real_fixtures.py
+    done
+
+`make_real_fixtures.py gpu` (or `tpu`) makes one target's files only.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.metadata as md
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -26,149 +45,86 @@ OUT = HERE.parent / "fixtures" / "hlo" / "real"
 PROGRAMS = {  # name -> (PROGRAMS key, extra args)
     "fsdp_scan_forward": ("fsdp", (False,)),
     "fsdp_scan_value_and_grad": ("fsdp", (True,)),
+    "fsdp_scan_explicit_forward": ("fsdp_explicit", (False,)),
     "all_gather_matmul": ("collective_matmul", ("all_gather_matmul", False)),
     "matmul_reduce_scatter": ("collective_matmul", ("matmul_reduce_scatter", False)),
+    "dp_tp_mlp": ("dp_tp", (False,)),
+    "dp_tp_mlp_overlapped": ("dp_tp", (True,)),
 }
 TARGETS = {"gpu": "gpu_h100", "tpu": "tpu_v5e"}
-# Forms the inspector's readers are tested on (tests/inspect_real_forms_test.py):
-# stem -> (target, function in this file making (fn, args)). Written as
-# `readers-<stem>.*`; `make_real_fixtures.py readers [stem...]` makes only these.
-READER_CASES = {
-    "tpu_fsdp32_value_and_grad": ("tpu_v5e", "fsdp32_program"),
-    "tpu_loops": ("tpu_v5e", "loops_program"),
-    "tpu_demo_step": ("tpu_v5e", "demo_step_program"),
-}
-READERS = "readers" in sys.argv[1:]
 if len(sys.argv) > 1:
   TARGETS = {k: v for k, v in TARGETS.items() if k in sys.argv[1:]}
+PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+            "nvidia-cuda-nvcc-cu12")
 
 _CHILD = """
 import sys
 sys.path[:0] = [{aot!r}, {tests!r}]
 import real_compilers_test as rt
-t = rt.target({target!r})
-fn, args = rt.PROGRAMS[{key!r}](t, *{extra!r})
-open({out!r}, "w").write(rt.compiled_text(fn, *args))
-"""
-_READER_CHILD = """
-import sys
-sys.path[:0] = [{aot!r}, {tests!r}]
-import make_real_fixtures as mf
-import real_compilers_test as rt
-fn, args = getattr(mf, {function!r})(rt.target({target!r}))
-open({out!r}, "w").write(rt.compiled_text(fn, *args))
+import contextlib
+t = rt.target({target!r}, explicit={key!r} in rt.EXPLICIT_PROGRAMS)
+fn, args, *context = rt.PROGRAMS[{key!r}](t, *{extra!r})
+with context[0] if context else contextlib.nullcontext():
+  open({out!r}, "w").write(rt.compiled_text(fn, *args))
 """
 
 
-def fsdp32_program(t):
-  """A 32-layer fsdp_scan step (width 16) on TPU: while loops counted only
-  in their conditions, and async collective fusion chains."""
-  import jax  # noqa: PLC0415
-  import jax_overlap  # noqa: PLC0415
-  import real_compilers_test as rt  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-  def loss(x, ps):
-    return jax_overlap.fsdp_scan(rt._layer, x, ps, axis="x").sum()[None]
-  fwd = rt._smap(t, loss, (P("x"), {"a": P(None, "x"), "b": P(None, "x")}))
-  w = rt.arg(t, (32, 16, 16), P(None, "x"))
-  return (jax.value_and_grad(lambda x, ps: fwd(x, ps).sum(), argnums=1),
-          (rt.arg(t, (64, 16), P("x")), {"a": w, "b": w}))
-
-
-def loops_program(t):
-  """Nested scans (5 x 3) with a psum inside, and a while loop from 1 to 9
-  in steps of 2 with a ppermute: trip counts from conditions, start, step
-  and nesting."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import real_compilers_test as rt  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-  def body(x, ws):
-    def outer(c, wo):
-      def inner(c2, w):
-        return jnp.tanh(c2 @ w) + jax.lax.psum(c2, "x")[:1].sum(), None
-      return jax.lax.scan(inner, c, wo)[0], None
-    x = jax.lax.scan(outer, x, ws)[0]
-    perm = [(i, (i + 1) % 8) for i in range(8)]
-
-    def step(carry):
-      i, y = carry
-      return i + 2, jnp.tanh(jax.lax.ppermute(y, "x", perm) @ ws[0, 0])
-    return jax.lax.while_loop(lambda c: c[0] < 9, step, (1, x))[1]
-  f = rt._smap(t, body, (P("x"), P()))
-  return f, (rt.arg(t, (64, 16), P("x")), rt.arg(t, (5, 3, 16, 16)))
-
-
-def demo_step_program(t):
-  """The demo's transformer (2 layers, d 1024, batch 4 a device), one SGD
-  step of its plain-scan loss: XLA on TPU prefetches large buffers into VMEM
-  in slices (`slice-start` in as_text(), `async-start` of a slice in the
-  dump)."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  from jax_overlap._src.demo import model, training  # noqa: PLC0415
-
-  mesh = Mesh(t.mesh.devices, (training.AXIS,))
-  cfg = model.Config(vocab=256, d=1024, heads=8, hidden=4096, layers=2, seq=128)
-  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
-  specs = model.specs(shapes, training.AXIS)
-  params = jax.tree.map(lambda a, sp: jax.ShapeDtypeStruct(
-      a.shape, a.dtype, sharding=NamedSharding(mesh, sp)), shapes, specs)
-  tokens = jax.ShapeDtypeStruct((4 * 8, cfg.seq), jnp.int32,
-                                sharding=NamedSharding(mesh, P(training.AXIS)))
-  _, plain = training.losses_for(cfg, mesh, specs)
-
-  def step(p, tk, tg):
-    value, grads = jax.value_and_grad(plain)(p, tk, tg)
-    return jax.tree.map(lambda a, g: a - 1e-3 * g, p, grads), value
-  return step, (params, tokens, tokens)
-
-
-def _cases():
-  """(output stem, target, child source with `{out}` left to fill)."""
-  common = dict(aot=str(HERE), tests=str(HERE.parent))
-  if READERS:
-    chosen = [a for a in sys.argv[1:] if a in READER_CASES] or list(READER_CASES)
-    for name in chosen:
-      target, function = READER_CASES[name]
-      yield (OUT / f"readers-{name}", _READER_CHILD.format(
-          **common, target=target, function=function, out="{out}"))
-    return
-  for prefix, target in TARGETS.items():
-    for name, (key, extra) in PROGRAMS.items():
-      yield (OUT / f"{prefix}_{name}", _CHILD.format(
-          **common, target=target, key=key, extra=extra, out="{out}"))
+def _section(version: str, lines: list[str]) -> None:
+  """Replaces jax `version`'s section of versions.txt (the others stay)."""
+  path = OUT / "versions.txt"
+  text = path.read_text() if path.exists() else ""
+  sections = re.split(r"(?m)^(?=## jax )", text)
+  head = sections[0] if not sections[0].startswith("## jax ") else ""
+  kept = [s for s in sections if s.startswith("## jax ") and
+          not s.startswith(f"## jax {version}\n")]
+  mine = f"## jax {version}\n" + "".join(f"{line}\n" for line in lines)
+  kept.append(mine)
+  kept.sort(key=lambda s: [int(p) for p in s.split()[2].split(".")])
+  if not head.strip():
+    head = ("# made by tests/aot/make_real_fixtures.py; files are named\n"
+            "# <target>_<program>-jax<V>.{as_text,after_optimizations}.txt\n\n")
+  path.write_text(head + "\n".join(k.rstrip("\n") + "\n" for k in kept))
 
 
 def main() -> int:
   OUT.mkdir(parents=True, exist_ok=True)
-  for stem, child in _cases():
-    with tempfile.TemporaryDirectory() as dump:
-      flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
-      env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
-      env["XLA_FLAGS"] = flags  # libtpu refuses --xla_dump_to in LIBTPU_INIT_ARGS
-      code = child.replace("'{out}'", repr(f"{stem}.as_text.txt"))
-      run = subprocess.run([sys.executable, "-c", code], env=env,
-                           capture_output=True, text=True, timeout=600)
-      if run.returncode:
-        print(f"{stem.name}: failed\n{run.stderr[-2000:]}", file=sys.stderr)
-        return 1
-      dumps = sorted(glob.glob(f"{dump}/*after_optimizations.txt"),
-                     key=os.path.getsize)
-      if dumps:
-        shutil.copy(dumps[-1], f"{stem}.after_optimizations.txt")
-      print(stem.name, "as_text", "+ dump" if dumps else "(no dump file)")
-  versions = subprocess.run(
-      [sys.executable, "-c",
-       "import importlib.metadata as m; print('\\n'.join(f'{p} {m.version(p)}' for p in "
-       "('jax', 'jaxlib', 'libtpu', 'jax-cuda12-plugin', 'jax-cuda12-pjrt', "
-       "'nvidia-cuda-nvcc-cu12')))"], capture_output=True, text=True)
-  name = "readers-versions.txt" if READERS else "versions.txt"
-  (OUT / name).write_text(
-      "# made by tests/aot/make_real_fixtures.py with:\n" + versions.stdout)
+  version = md.version("jax")
+  notes = []
+  for p in PACKAGES:
+    try:
+      notes.append(f"{p} {md.version(p)}")
+    except md.PackageNotFoundError:
+      notes.append(f"{p} (not installed)")
+  for prefix, target in TARGETS.items():
+    for name, (key, extra) in PROGRAMS.items():
+      stem = OUT / f"{prefix}_{name}-jax{version}"
+      with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        # libtpu refuses --xla_dump_to in LIBTPU_INIT_ARGS; XLA_FLAGS works.
+        env["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+        code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
+                             key=key, extra=extra, out=f"{stem}.as_text.txt")
+        run = subprocess.run([sys.executable, "-c", code], env=env,
+                             capture_output=True, text=True, timeout=600)
+        if run.returncode:
+          pathlib.Path(f"{stem}.as_text.txt").unlink(missing_ok=True)
+          lines = run.stderr.splitlines()
+          errors = ([line for line in lines if "failed to legalize" in line] or
+                    [line for line in lines if "Error" in line or "error:" in line] or
+                    [f"exit {run.returncode}"])
+          why = re.sub(r"\s+", " ", errors[-1].strip())
+          why = why[why.find("failed to legalize"):] if "failed to legalize" in why else why
+          why = why[:240]
+          notes.append(f"not made: {prefix}_{name}: {why}")
+          print(f"{stem.name}: does not compile: {why}", file=sys.stderr)
+          continue
+        dumps = sorted(glob.glob(f"{dump}/*after_optimizations.txt"),
+                       key=os.path.getsize)
+        if dumps:
+          shutil.copy(dumps[-1], f"{stem}.after_optimizations.txt")
+        print(stem.name, "as_text", "+ dump" if dumps else "(no dump file)")
+  _section(version, notes)
   return 0
 
 

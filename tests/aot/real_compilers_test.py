@@ -1,15 +1,29 @@
 """The real TPU and GPU compilers, ahead of time: what the library's programs
 compile to there (nothing runs; the compile and its schedule are checked).
 
-Targets: TPU v5e 2x4 (libtpu), GPU H100 and A100 (the CUDA plugin, XLA's
-target configs in specs/), 8 devices each; `make test-aot` installs the
-compilers in .venv-aot, and without them every test here skips. Each compile
-costs about a second: shapes are tiny and each program compiles once
-(`_compiled` caches by name).
+Targets: TPU v5e 2x4 and v5p 2x2x2 (libtpu), GPU H100 and A100 (the CUDA
+plugin, XLA's target configs in specs/), 8 devices each, and H100 on 2 hosts
+x 8 (topology "1x2x8", 16 devices); `make test-aot` installs the compilers in
+.venv-aot, and without them every test here skips. Each compile costs about a
+second: shapes are tiny and each program compiles once (`_compiled` caches by
+name).
+
+Older jax (`make test-aot-jax0.11.0`, `make test-aot-jax0.10.2`) runs
+OLDER_JAX_SUBSET on OLDER_JAX_TARGETS (tests/aot/conftest.py selects them):
+the written order, the five futures and fsdp_scan in both contexts, on TPU
+v5e and GPU H100. There a future's halves are lowered back to back (said
+with an OrderNotKeptWarning), and today every program holding a future fails
+to compile for TPU/GPU (OLDER_JAX_PLUGIN_GAP): those tests xfail on that
+exact error, and check the back-to-back form once it compiles.
+
+Each expectation that states today's shortfall (SYNC_ON, NOT_WARNED_YET,
+SHORT_TODAY, PERMUTES_SHORT) is a table entry: when the library or a
+compiler changes, the test that fails names the entry to drop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import warnings
@@ -20,19 +34,46 @@ import jax.numpy as jnp
 import pytest
 
 import schedule
-from compilers import P, arg, compiled_text, target
+from compilers import Mesh, NamedSharding, P, arg, compiled_text, target
 
 import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
 
-needs_pairs = pytest.mark.skipif(
-    not _compat.ASYNC_CUSTOM_CALLS,
-    reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU")
+from jax_overlap._src.ordering import compiled_order
 
-N = 8                      # devices on every target
-RING = [(i, (i + 1) % N) for i in range(N)]
+#: jax < 0.12: a future's halves are lowered back to back on TPU/GPU.
+OLDER = not _compat.ASYNC_CUSTOM_CALLS
+needs_pairs = pytest.mark.skipif(
+    OLDER, reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU")
+
+#: What `make test-aot-jaxX` (jax < 0.12) runs: these tests, on these targets.
+OLDER_JAX_SUBSET = {
+    "test_compiled_schedule_keeps_written_order",
+    "test_future_is_an_async_pair_around_the_matmul",
+    "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one",
+    "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters",
+    "test_fsdp_scan_on_an_explicit_mesh",
+}
+OLDER_JAX_TARGETS = ("tpu_v5e", "gpu_h100")
+
+#: jax 0.10.2 / 0.11.0 with their plugins (libtpu 0.0.42.1 / 0.0.44.1,
+#: jax-cuda12-plugin of the same version): a future is lowered to a StableHLO
+#: async_start/async_done region (collectives/lowering.py
+#: `_to_async_region_pair`), which the PJRT plugins' StableHLO (1.13.7 / 1.14.0)
+#: cannot take: "Failed to serialize StableHLO to plugin version ...: failed to
+#: legalize operation 'vhlo.async_start_v1'". Every future, fsdp_scan in
+#: shard_map and collective matmul then fail to compile for TPU and GPU.
+OLDER_JAX_PLUGIN_GAP = (
+    f"jax {jax.__version__}: a future's async region cannot be serialized for "
+    "the TPU/GPU plugin ('vhlo.async_start_v1' is illegal there); open (issue 16)")
+
+N = 8                      # devices on the 8-device targets
+
+
+def ring(n):
+  return [(i, (i + 1) % n) for i in range(n)]
 FUTURES = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
 
 
@@ -42,22 +83,31 @@ def _smap(t, f, in_specs, out_specs=P("x")):
 
 @functools.cache
 def _compiled(name: str, case: str, *extra) -> tuple[str, tuple[str, ...]]:
-  """(scheduled text, warning messages) of program `case` for target `name`."""
-  t = target(name)
-  fn, args = PROGRAMS[case](t, *extra)
+  """(scheduled text, warning messages) of program `case` for target `name`.
+
+  A program is `(fn, args)`, or `(fn, args, context)` when it must be
+  lowered inside a context (an explicit mesh's `jax.set_mesh`)."""
+  t = target(name, explicit=case in EXPLICIT_PROGRAMS)
+  fn, args, *context = PROGRAMS[case](t, *extra)
   # The library says each of these once per process; each compile here says
   # its own (else what a test sees depends on the tests before it).
   not_async._warned.clear()
-  with warnings.catch_warnings(record=True) as caught:
+  compiled_order._warned.clear()
+  with warnings.catch_warnings(record=True) as caught, \
+      (context[0] if context else contextlib.nullcontext()):
     warnings.simplefilter("always")
     text = compiled_text(fn, *args)
   return text, tuple(str(w.message) for w in caught
-                     if issubclass(w.category, jax_overlap.CollectiveNotAsyncWarning))
+                     if issubclass(w.category, _SAID))
+
+
+#: What the library says at compile time about overlap it cannot give.
+_SAID = (jax_overlap.CollectiveNotAsyncWarning, jax_overlap.OrderNotKeptWarning)
 
 
 # --- programs ------------------------------------------------------------------
 
-def _start(kind, x):
+def _start(kind, x, n):
   if kind == "all_gather":
     return jax_overlap.all_gather_start(x, "x", tiled=True)
   if kind == "psum":
@@ -66,21 +116,22 @@ def _start(kind, x):
     return jax_overlap.psum_scatter_start(x, "x", tiled=True)
   if kind == "all_to_all":
     return jax_overlap.all_to_all_start(x, "x", 0, 0, tiled=True)
-  return jax_overlap.ppermute_start(x, "x", RING)
+  return jax_overlap.ppermute_start(x, "x", ring(n))
 
 
 def future_program(t, kind, rank=2):
   """A future under program_order with a matmul written between its halves."""
   @program_order(enforce=True)
   def body(x, w):
-    future = _start(kind, x)
+    future = _start(kind, x, t.n)
     y = jnp.tanh(w @ w)
     return future.done(), y
 
   def f(x, w):
     a, y = body(x, w)
     return (a.sum() + y.sum())[None]
-  shape = (64, 16) if rank == 2 else (64, 4, 16)
+  # 16 rows a device: the scatter and split dimensions divide by 16 devices.
+  shape = (16 * t.n, 16) if rank == 2 else (16 * t.n, 4, 16)
   return _smap(t, f, (P("x"), P())), (arg(t, shape, P("x")), arg(t, (16, 16)))
 
 
@@ -114,8 +165,63 @@ def collective_matmul_program(t, which, grad):
   return f, (arg(t, shape, P("x")), arg(t, (16, 16)))
 
 
+def fsdp_explicit_program(t, grad):
+  """fsdp_scan on an Explicit mesh (no shard_map), as tests/fsdp_test.py's
+  explicit context: the weights sharded over "x", lowered in `jax.set_mesh`."""
+  def loss(x, ps):
+    return jax_overlap.fsdp_scan(_layer, x, ps, axis="x").sum()
+  f = jax.value_and_grad(loss, argnums=1) if grad else loss
+  w = arg(t, (LAYERS, 16, 16), P(None, "x"))
+  return f, (arg(t, (64, 16), P("x")), {"a": w, "b": w}), _use_mesh(t.mesh)
+
+
+def dp_tp_program(t, overlapped):
+  """A data + tensor parallel block, one training step: a Megatron-style MLP
+  with sequence parallelism on a 2-D mesh ('data', 'model') = (2, n / 2):
+  the column-parallel matmul after an all-gather of the sequence over
+  'model', the row-parallel matmul then a reduce-scatter over 'model'
+  (plain jax collectives, or the library's all_gather_matmul /
+  matmul_reduce_scatter if `overlapped`), and value_and_grad of the weights
+  (their gradients are summed over 'data')."""
+  import numpy as np  # noqa: PLC0415
+  mesh = Mesh(np.array(t.mesh.devices).reshape(2, t.n // 2), ("data", "model"))
+
+  def block(x, w1, w2):  # x: (batch, sequence, width) blocks
+    if overlapped:
+      h = jnp.tanh(jax_overlap.all_gather_matmul(x, w1, "model", gather_dimension=1))
+      return jax_overlap.matmul_reduce_scatter(h, w2, "model", scatter_dimension=1)
+    h = jnp.tanh(jax.lax.all_gather(x, "model", axis=1, tiled=True) @ w1)
+    return jax.lax.psum_scatter(h @ w2, "model", scatter_dimension=1, tiled=True)
+
+  specs = (P("data", "model", None), P(None, "model"), P("model", None))
+  mlp = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=specs[0])
+  f = jax.value_and_grad(lambda x, w1, w2: jnp.sum(mlp(x, w1, w2) ** 2),
+                         argnums=(1, 2))
+  shapes = ((16, 16, 16), (16, 32), (32, 16))
+  return f, tuple(jax.ShapeDtypeStruct(shape, jnp.float32,
+                                       sharding=NamedSharding(mesh, spec))
+                  for shape, spec in zip(shapes, specs))
+
+
+def _use_mesh(mesh):
+  return (jax.set_mesh(mesh) if hasattr(jax, "set_mesh")
+          else jax.sharding.use_mesh(mesh))
+
+
+def _compile(name, case, *extra):
+  """`_compiled`, with jax < 0.12's known plugin gap turned into an xfail."""
+  try:
+    return _compiled(name, case, *extra)
+  except Exception as e:  # noqa: BLE001 - only the known gap is let through
+    if OLDER and "vhlo.async_start_v1" in str(e):
+      pytest.xfail(OLDER_JAX_PLUGIN_GAP)
+    raise
+
+
 PROGRAMS = {"future": future_program, "fsdp": fsdp_program,
+            "fsdp_explicit": fsdp_explicit_program, "dp_tp": dp_tp_program,
             "collective_matmul": collective_matmul_program}
+EXPLICIT_PROGRAMS = {"fsdp_explicit"}
 
 
 def _async(text, kind):
@@ -124,15 +230,17 @@ def _async(text, kind):
 
 # --- the written order ------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
-def test_compiled_schedule_keeps_written_order(name):
+def written_order_kept(name, variants=(False, True)):
+  """tests/schedule_test.py's bodies compiled for `name`: {(case, ordered):
+  (whether the scheduled order is the written one, the scheduled markers)},
+  for the undecorated (False) and program_order (True) `variants`."""
   import lowered
   import schedule_test as st
   t = target(name)
   xyz = (arg(t, (64, 64)), arg(t, (64,)), arg(t, (64,)))
   kept = {}
   for case, make in sorted(st.CASES.items()):
-    for po in (st.unordered, program_order):
+    for po in [(st.unordered, program_order)[v] for v in variants]:
       jitted = jax.jit(make(po))
       order = schedule.scheduled_markers(jitted.lower(*xyz).compile().as_text(),
                                          st.MARKERS)
@@ -140,8 +248,17 @@ def test_compiled_schedule_keeps_written_order(name):
       live, _ = _compat.dce(closed, [True] * len(_compat.open_jaxpr(closed).outvars))
       kept[case, po is program_order] = (
           lowered.follows(order, lowered.written_markers(live)), order)
+  return kept
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_h100_2x8"])
+def test_compiled_schedule_keeps_written_order(name):
+  import schedule_test as st
+  # 16 GPUs: the ordered bodies only (the same compiler as 1x1x8, where the
+  # undecorated ones are checked; each GPU compile of the four costs ~6 s).
+  kept = written_order_kept(name, (True,) if name == "gpu_h100_2x8" else (False, True))
   # XLA's own order differs from the written one (so this can fail) ...
-  assert not any(kept[c, False][0] for c in st.CASES), kept
+  assert not any(kept.get((c, False), (False,))[0] for c in st.CASES), kept
   # ... and program_order's compiled order is the written one.
   assert all(kept[c, True][0] and len(kept[c, True][1]) >= 3 for c in st.CASES), kept
 
@@ -149,28 +266,39 @@ def test_compiled_schedule_keeps_written_order(name):
 # --- the five futures ----------------------------------------------------------
 
 #: (target, future) pairs the compiler cannot take as an async pair: the
-#: library lowers them synchronously and says so once. (None left: on TPU,
-#: psum, psum_scatter and all_to_all are async as their TPU form, an
-#: all-to-all; tests/aot/tpu_forms_test.py.)
+#: library lowers them synchronously and says so once. (None left with
+#: jax 0.12: on TPU psum, psum_scatter and all_to_all, and all_gather on
+#: v5p, are async as their TPU form, an all-to-all; tests/aot/tpu_forms_test.py.)
 SYNC_ON: set = set()
+#: Of SYNC_ON, those compiled synchronous with nothing said.
+NOT_WARNED_YET: dict = {}
 _TPU_FORM_KIND = {"psum": "all-to-all", "psum_scatter": "all-to-all",
                   "all_to_all": "all-to-all"}
+_V5P_FORM_KIND = dict(_TPU_FORM_KIND, all_gather="all-to-all")
 _HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
              "psum_scatter": "reduce-scatter", "all_to_all": "all-to-all",
              "ppermute": "collective-permute"}
 
 
-@needs_pairs
-@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100", "gpu_a100"])
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_a100",
+                                  "gpu_h100_2x8"])
 @pytest.mark.parametrize("kind", FUTURES)
 def test_future_is_an_async_pair_around_the_matmul(name, kind):
-  text, warned = _compiled(name, "future", kind)
+  text, warned = _compile(name, "future", kind)
   hlo_kind = _HLO_KIND[kind]
-  if name.startswith("tpu"):
-    hlo_kind = _TPU_FORM_KIND.get(kind, hlo_kind)
+  if name.startswith("tpu") and not OLDER:
+    forms = _V5P_FORM_KIND if name == "tpu_v5p" else _TPU_FORM_KIND
+    hlo_kind = forms.get(kind, hlo_kind)
   pairs = _async(text, hlo_kind)
+  if OLDER:
+    # Back to back: nothing between start and done, and the user is told.
+    assert not any(w.matmuls for w in pairs), pairs
+    assert any("lowered back to back" in m for m in warned), warned
+    return
   if (name, kind) in SYNC_ON:
     assert not pairs, pairs
+    if not warned and (name, kind) in NOT_WARNED_YET:
+      pytest.xfail(NOT_WARNED_YET[name, kind])
     assert any(f"{kind}_start on tpu" in m for m in warned), warned
     return
   assert len(pairs) == 1, schedule.windows(text)
@@ -198,34 +326,87 @@ def test_the_async_pair_still_crashes_libtpu(kind):
 
 # --- fsdp_scan -------------------------------------------------------------------
 
-@needs_pairs
-@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100", "gpu_a100"])
+#: (test, target) -> why the overlap asked for is not there today. The test
+#: compiles, checks what it can, and xfails with this reason while short.
+SHORT_TODAY = {
+    ("forward", "tpu_v5p"): (
+        "TPU v5p (libtpu 0.0.52) compiles fsdp_scan's gathers synchronous "
+        "and the library does not say so yet; open (issue 16)"),
+    ("backward", "tpu_v5p"): (
+        "TPU v5p (libtpu 0.0.52) compiles fsdp_scan's gathers synchronous "
+        "and the library does not say so yet; open (issue 16)"),
+    ("explicit", "tpu_v5e"): (
+        "fsdp_scan on an Explicit mesh (jax.reshard, no futures): TPU v5e "
+        "compiles every gather synchronous; open (issue 16)"),
+    ("explicit", "gpu_h100"): (
+        "fsdp_scan on an Explicit mesh (jax.reshard, no futures): on H100 "
+        "XLA combines the layers' gathers into one synchronous all-gather "
+        "before the loop; open (issue 16)"),
+}
+
+
+def _short(test, name, got, wanted):
+  if got < wanted and (test, name) in SHORT_TODAY:
+    pytest.xfail(f"{SHORT_TODAY[test, name]} (measured {got} of {wanted})")
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_a100",
+                                  "gpu_h100_2x8"])
 def test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one(name):
-  text, warned = _compiled(name, "fsdp", False)
+  text, warned = _compile(name, "fsdp", False)
+  if OLDER:
+    assert not any(w.matmuls for w in _async(text, "all-gather"))
+    assert warned, "jax < 0.12: the synchronous gathers are not said"
+    return
   gathers = _async(text, "all-gather")
   # Every layer's gathers but the first layer's are in flight across matmuls.
-  assert sum(w.matmuls >= 1 for w in gathers) >= (LAYERS - 1) * WEIGHTS, gathers
+  got, wanted = sum(w.matmuls >= 1 for w in gathers), (LAYERS - 1) * WEIGHTS
+  _short("forward", name, got, wanted)
+  assert got >= wanted, gathers
   assert not warned, warned
 
 
-@needs_pairs
-@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_h100_2x8"])
 def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
-  text, warned = _compiled(name, "fsdp", True)
+  text, warned = _compile(name, "fsdp", True)
   gathers = _async(text, "all-gather")
   scatters = _async(text, "reduce-scatter")
-  # Forward and backward: all but the first layer's gathers of each pass
-  # (measured on TPU, libtpu 0.0.52: one fewer, 11 of the 12 expected; 11
-  # of its 16 gathers are async at all).
-  wanted = 2 * (LAYERS - 1) * WEIGHTS - (1 if name.startswith("tpu") else 0)
-  assert sum(w.matmuls >= 1 for w in gathers) >= wanted, gathers
-  if name.startswith("tpu"):
-    # An async reduce-scatter crashes libtpu: synchronous, and said.
+  if OLDER:
+    assert not any(w.matmuls for w in scatters), scatters
+    assert warned, "jax < 0.12: the synchronous collectives are not said"
+    return
+  is_tpu = name.startswith("tpu")
+  if is_tpu:
+    # An async reduce-scatter crashes libtpu: synchronous, and said ...
     assert not scatters
     assert any("psum_scatter_start on tpu" in m for m in warned), warned
     # ... and only as the future it is, not also as a fenced plain collective.
     assert not any("inside an ordered block" in m for m in warned), warned
-  else:
+  # Forward and backward: all but the first layer's gathers of each pass
+  # (measured on v5e, libtpu 0.0.52: one fewer, 11 of the 12 expected; 11
+  # of its 16 gathers are async at all).
+  wanted = 2 * (LAYERS - 1) * WEIGHTS - (1 if name == "tpu_v5e" else 0)
+  got = sum(w.matmuls >= 1 for w in gathers)
+  _short("backward", name, got, wanted)
+  assert got >= wanted, gathers
+  if not is_tpu:
+    assert sum(w.matmuls >= 1 for w in scatters) >= (LAYERS - 1) * WEIGHTS, scatters
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "value_and_grad"])
+def test_fsdp_scan_on_an_explicit_mesh(name, grad):
+  # As the shard_map context: each gather but the first layer's (each pass)
+  # in flight across matmuls, and on GPU each reduce-scatter but the last.
+  text, warned = _compile(name, "fsdp_explicit", grad)
+  assert not warned, warned
+  passes = 2 if grad else 1
+  gathers = _async(text, "all-gather")
+  got, wanted = sum(w.matmuls >= 1 for w in gathers), passes * (LAYERS - 1) * WEIGHTS
+  _short("explicit", name, got, wanted)
+  assert got >= wanted, gathers
+  if grad and not name.startswith("tpu"):
+    scatters = _async(text, "reduce-scatter")
     assert sum(w.matmuls >= 1 for w in scatters) >= (LAYERS - 1) * WEIGHTS, scatters
 
 
@@ -242,20 +423,70 @@ def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
 
 # --- collective matmul ---------------------------------------------------------
 
-@needs_pairs
-@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
-@pytest.mark.parametrize("which", ["all_gather_matmul", "matmul_reduce_scatter"])
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
-def test_collective_matmul_sends_behind_block_matmuls(name, which, grad):
-  text, warned = _compiled(name, "collective_matmul", which, grad)
-  permutes = _async(text, "collective-permute")
-  if ((name, which, grad) == ("tpu_v5e", "matmul_reduce_scatter", False)
-      and not all(w.matmuls >= 1 for w in permutes)):
-    pytest.xfail(
+#: (target, which, grad) -> why not every permute has a block matmul between.
+PERMUTES_SHORT = {
+    ("tpu_v5e", "matmul_reduce_scatter", False): (
         "TPU (libtpu 0.0.52) schedules all 7 block matmuls of the reduce-"
         "scatter ring before the first send (they do not read what arrives, "
         "and no barrier is left in TPU's compiled text): the permutes are "
-        "async with nothing in their windows; open (issue 16)")
-  assert len(permutes) >= N - 1, schedule.windows(text)
+        "async with nothing in their windows; open (issue 16)"),
+    ("tpu_v5p", "all_gather_matmul", True): (
+        "TPU v5p (libtpu 0.0.52): one of the backward's 14 permutes has no "
+        "block matmul in its window; open (issue 16)"),
+}
+
+
+def _collective_matmul_cases():
+  for name in ("tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_h100_2x8"):
+    for which in ("all_gather_matmul", "matmul_reduce_scatter"):
+      # 16 GPUs: the forward only (each backward costs 10-15 s there).
+      for grad in (False,) if name == "gpu_h100_2x8" else (False, True):
+        yield pytest.param(name, which, grad, id=(
+            f"{'backward' if grad else 'forward'}-{which}-{name}"))
+
+
+@needs_pairs
+@pytest.mark.parametrize("name,which,grad", list(_collective_matmul_cases()))
+def test_collective_matmul_sends_behind_block_matmuls(name, which, grad):
+  text, warned = _compiled(name, "collective_matmul", which, grad)
+  permutes = _async(text, "collective-permute")
+  n = target(name).n
+  assert len(permutes) >= n - 1, schedule.windows(text)
+  if ((name, which, grad) in PERMUTES_SHORT
+      and not all(w.matmuls >= 1 for w in permutes)):
+    pytest.xfail(PERMUTES_SHORT[name, which, grad])
   assert all(w.matmuls >= 1 for w in permutes), permutes
   assert not warned, warned
+
+
+# --- a data + tensor parallel block --------------------------------------------
+
+#: target -> the compiler's refusal of the library's sequence-parallel MLP
+#: (all_gather_matmul with a column-sharded weight, then matmul_reduce_scatter,
+#: value_and_grad on a (data, model) mesh); while it refuses, the test xfails.
+DP_TP_REFUSED = {
+    "tpu_v5e": ("Input and output buffer shapes have different layout",
+                "TPU v5e (libtpu 0.0.52) refuses all_gather_matmul's ring with a "
+                "column-sharded weight (local 16x8): collective-permute-start "
+                "'Input and output buffer shapes have different layout'; open "
+                "(issue 16)"),
+    "gpu_h100": ("matched by multiple async done instructions",
+                 "H100: all_gather_matmul's backward with a column-sharded weight "
+                 "fails XLA's verifier ('Async start collective-permute-start is "
+                 "matched by multiple async done instructions'); open (issue 16)"),
+}
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["plain", "overlapped"])
+def test_data_and_tensor_parallel_block_compiles(name, overlapped):
+  try:
+    text, warned = _compile(name, "dp_tp", overlapped)
+  except Exception as e:  # noqa: BLE001 - only the known refusal is let through
+    if overlapped and DP_TP_REFUSED[name][0] in str(e):
+      pytest.xfail(DP_TP_REFUSED[name][1])
+    raise
+  assert not warned, warned
+  if overlapped:
+    permutes = _async(text, "collective-permute")
+    assert permutes and all(w.matmuls >= 1 for w in permutes), permutes
