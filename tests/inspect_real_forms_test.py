@@ -402,7 +402,10 @@ def test_async_start_form_is_read_by_what_it_wraps(path):
                  if x["op"] not in ("parameter", "tuple", "get-tuple-element")]
       if len(found) == 1 and not compute:
         assert by_start[i["name"]].kind == found[0]["op"]
-        assert by_start[i["name"]].is_async
+        # async unless the backend made it synchronous (older jax's GPU pairs)
+        is_sync = '"is_sync":true' in i["line"]
+        assert by_start[i["name"]].is_async == (not is_sync)
+        assert by_start[i["name"]].made_blocking == is_sync
       elif wrapped in (["slice"], ["dynamic-slice"]):  # TPU: an async slice
         assert i["name"] in copies and i["name"] not in by_start
       else:
