@@ -503,3 +503,40 @@ def test_every_async_slice_of_a_real_fixture_is_a_copy(path):
   report = OverlapReport.from_hlo(path)
   assert sorted(c.start for c in report.copies if c.start.startswith("slice-start")) \
       == sorted(starts)
+
+
+@pytest.mark.parametrize("path", _with(r"\nStackFrames\n"), ids=_fixture_id)
+def test_source_lines_come_from_the_stack_frame_tables(path):
+  """jax 0.10.2+ dumps name source lines only through `stack_frame_id`: each
+  collective's `where` is the innermost frame outside jax and this library,
+  resolved here by hand from the text's tables."""
+  text = path.read_text()
+
+  def table(name):
+    block = re.search(rf"\n{name}\n((?:\d+ .*\n)+)", text)
+    return dict(re.match(r"(\d+) (.*)", row).groups() for row in block.group(1).splitlines())
+  files = {k: v.strip('"') for k, v in table("FileNames").items()}
+  locations = {k: (files[re.search(r"file_name_id=(\d+)", v).group(1)],
+                   re.search(r"\bline=(\d+)", v).group(1))
+               for k, v in table("FileLocations").items()}
+  frames = {k: (re.search(r"file_location_id=(\d+)", v).group(1),
+                re.search(r"parent_frame_id=(\d+)", v).group(1))
+            for k, v in table("StackFrames").items()}
+
+  def expected(frame):
+    chain, seen = [], set()
+    while frame in frames and frame not in seen:
+      seen.add(frame)
+      chain.append(locations[frames[frame][0]])
+      frame = frames[frame][1]
+    mine = [c for c in chain if not re.search(r"(^|/)(jax|jaxlib|jax_overlap)/", c[0])]
+    return "%s:%s" % (mine or chain)[0]
+  report = OverlapReport.from_hlo(path)
+  starts = {m.group(1): m.group(2) for m in re.finditer(
+      r"^\s*(?:ROOT )?%([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M)}
+  checked = 0
+  for c in report.collectives:
+    if c.start in starts:
+      assert c.where == expected(starts[c.start]), c
+      checked += 1
+  assert checked or not report.collectives

@@ -15,7 +15,7 @@ from jax_overlap._src.inspection.report.diff import diff_reports
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
 REAL = FIXTURES / "real"
-GPU_STEP = REAL / "gpu_fsdp_scan_value_and_grad.after_optimizations.txt"
+GPU_STEP = REAL / "gpu_fsdp_scan_value_and_grad-jax0.12.0.1.after_optimizations.txt"
 
 
 def run(capsys, *argv):
@@ -113,7 +113,7 @@ def test_diff_rounds_to_what_the_model_can_tell():
 
 
 @pytest.mark.parametrize("path", [FIXTURES / "threads_and_copies.txt",
-                                  REAL / "tpu_fsdp_scan_forward.as_text.txt"],
+                                  REAL / "tpu_fsdp_scan_forward-jax0.12.0.1.as_text.txt"],
                          ids=lambda p: p.name)
 def test_summary_totals_agree_with_the_report(path):
   r = OverlapReport.from_hlo(path)

@@ -98,13 +98,19 @@ def leaf(instr: HloInstruction) -> str | None:
   return leaf_from_op_name(name)
 
 
-def source_location(instr: HloInstruction) -> str | None:
-  """`file:line` from `metadata={... source_file="..." source_line=N}`, None
-  when the metadata does not say."""
+def source_location(instr: HloInstruction,
+                    module: HloModule | None = None) -> str | None:
+  """`file:line` from `metadata={... source_file="..." source_line=N}`, or
+  from its `stack_frame_id=N` and `module`'s stack-frame tables (dumps of
+  jax 0.10.2 and later; `stack_frames.py`); None when neither says."""
   value = instr.attributes.get("metadata", "")
   file = re.search(r'source_file=("(?:[^"\\]|\\.)*")', value)
   line = re.search(r"source_line=(\d+)", value)
   if not file or not line:
+    frame = re.search(r"stack_frame_id=(\d+)", value)
+    frames = getattr(module, "stack_frames", None)
+    if frame and frames is not None:
+      return frames.location(int(frame.group(1)))
     return None
   try:
     return f"{lexing.unquote(file.group(1))}:{line.group(1)}"

@@ -7,7 +7,7 @@ compile. Attribute values stay as their text; `attributes.py` reads them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Any, Iterator
 
 from jax_overlap._src.inspection.reading.shapes import Shape
 
@@ -97,6 +97,8 @@ class HloModule:
   attributes: dict[str, str]
   computations: dict[str, HloComputation]
   source: str = "<text>"
+  #: the dump's stack-frame tables (`stack_frames.StackFrames`), or None
+  stack_frames: Any = None
 
   @property
   def entry(self) -> HloComputation:

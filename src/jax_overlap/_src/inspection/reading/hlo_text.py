@@ -26,6 +26,7 @@ from jax_overlap._src.inspection.errors import HloParseError
 from jax_overlap._src.inspection.reading.hlo_module import (
     MAIN_THREAD, HloComputation, HloInstruction, HloModule)
 from jax_overlap._src.inspection.reading.shapes import parse_shape
+from jax_overlap._src.inspection.reading.stack_frames import StackFrames
 from jax_overlap._src.inspection.reading.async_sugar import expand_async_sugar
 from jax_overlap._src.inspection.reading.trip_counts import annotate_trip_counts
 
@@ -175,7 +176,8 @@ class _Reader:
   def module(self) -> HloModule:
     name, attributes, header_line = self._header()
     computations: dict[str, HloComputation] = {}
-    in_tables = False
+    in_tables = None
+    tables: dict[str, dict[int, str]] = {}
     while self.i < len(self.lines):
       line = self.lines[self.i].strip()
       number = self.i + 1
@@ -183,13 +185,16 @@ class _Reader:
         self.i += 1
         continue
       if line in _LOCATION_TABLES:
-        in_tables = True
+        in_tables = line
+        tables.setdefault(line, {})
         self.i += 1
         continue
       if in_tables and _LOCATION_ROW.match(line):
+        row, _, rest = line.partition(" ")
+        tables[in_tables][int(row)] = rest
         self.i += 1
         continue
-      in_tables = False
+      in_tables = None
       if line.startswith("HloModule"):
         raise self.fail("a second HloModule: pass one module per file", number)
       m = _COMPUTATION.match(line)
@@ -201,6 +206,8 @@ class _Reader:
         raise self.fail(f"computation %{comp.name} is defined twice", number)
       computations[comp.name] = comp
     module = HloModule(name, attributes, computations, self.source)
+    if tables:
+      module.stack_frames = StackFrames.from_tables(tables)
     self._check(module, header_line)
     expand_async_sugar(module)
     annotate_trip_counts(module)

@@ -104,7 +104,7 @@ def _collective(pair, schedule, timeline, several_threads) -> CollectiveRecord:
       kind=pair.kind, start=pair.start.name,
       done=pair.done.name if pair.done else None,
       computation=pair.computation,
-      where=attrs.source_location(pair.start), leaf=attrs.leaf(pair.start),
+      where=attrs.source_location(pair.start, schedule.module), leaf=attrs.leaf(pair.start),
       thread=pair.thread, link=totals.link if totals else "",
       queued_behind=list(queued),
       is_async=pair.is_async, made_blocking=pair.made_blocking,
