@@ -107,3 +107,87 @@ def test_fenced_synchronous_collective_is_found():
   plain = _lowered(lambda x: jax.lax.all_gather(jnp.sin(x), "i", tiled=True)[:8],
                    "cuda", jnp.ones(8)).compiler_ir()
   assert compile_options.fenced_sync_collectives(plain) == []
+
+
+_REFUSAL = RuntimeError(
+    "INTERNAL: FindAndExtractBestNodeAvailable failed to find a node to "
+    "schedule, skipped nodes: all-to-all-done.2: Skipped due to "
+    "kExceedsOverlapLimit.")
+
+
+def _two_forms_in_turn(x):
+  @program_order(enforce=True)
+  def f(x):
+    a = jax_overlap.all_to_all_start(x, "i", 0, 0, tiled=True)
+    y = jnp.sin(x)
+    b = jax_overlap.all_to_all_start(a.done() * 2, "i", 0, 0, tiled=True)
+    z = jnp.cos(y)
+    return b.done() + z
+  return f(x)
+
+
+def _form_windows(module) -> list[list[str]]:
+  """The ops between each TPU-form start and its done, in module order."""
+  windows, open_ = [], None
+  for line in str(module).splitlines():
+    if '@"all-to-all-start"' in line:
+      open_ = []
+    elif '@"all-to-all-done"' in line and open_ is not None:
+      windows.append(open_)
+      open_ = None
+    elif open_ is not None and "stablehlo." in line:
+      open_.append(line.split("stablehlo.", 1)[1].split(" ", 1)[0])
+  return windows
+
+
+@needs_split_pairs
+def test_tpu_module_refused_for_two_all_to_alls_is_rewritten_once(monkeypatch):
+  # libtpu refuses some schedules with two async all-to-alls in flight
+  # ('kExceedsOverlapLimit'); only then are the forms finished where they
+  # start, with a warning, and the module compiled again (tests/aot/ has
+  # the real refusal).
+  from jax_overlap._src.collectives import tpu_forms
+  monkeypatch.setattr(tpu_forms, "FORCE", True)
+  monkeypatch.setattr(not_async, "_warned", set())
+  module = _lowered(_two_forms_in_turn, "tpu", jnp.ones((32, 4))).compiler_ir()
+  before = _form_windows(module)
+  assert len(before) == 2 and all("sine" in w or "cosine" in w for w in before), before
+  # Nothing but that refusal, on TPU, is taken up.
+  assert not compile_options._finish_forms_when_refused(module, "cuda", _REFUSAL)
+  assert not compile_options._finish_forms_when_refused(
+      module, "tpu", RuntimeError("INTERNAL: kExceedsOverlapLimit: all-gather-done.1"))
+  assert not compile_options._finish_forms_when_refused(
+      module, "tpu", RuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+  assert _form_windows(module) == before
+  with pytest.warns(jax_overlap.CollectiveNotAsyncWarning, match="refused"):
+    assert compile_options._finish_forms_when_refused(module, "tpu", _REFUSAL)
+  assert _form_windows(module) == [[], []]
+  # A module without forms (e.g. a plain gather's) has nothing to rewrite.
+  monkeypatch.setattr(tpu_forms, "FORCE", False)
+  gathers = _lowered(_two_gathers, "tpu", jnp.ones(8)).compiler_ir()
+  assert not compile_options._finish_forms_when_refused(gathers, "tpu", _REFUSAL)
+
+
+def test_a_refused_compile_runs_again_only_when_a_hook_takes_it_up(monkeypatch):
+  from jax._src import compiler
+  assert compile_options._RETRY_INSTALLED
+  assert getattr(compiler.compile_or_get_cached, "_jax_overlap_retry_hooks", False)
+  calls = []
+
+  def compile_or_get_cached(backend, computation, *rest):
+    calls.append(computation)
+    if len(calls) == 1:
+      raise _REFUSAL
+    return "executable"
+  wrapped = _compat._with_retry_hooks(compile_or_get_cached)
+  backend = type("Backend", (), {"platform": "tpu"})()
+  taken = []
+  monkeypatch.setattr(_compat, "_COMPILE_RETRY_HOOKS", [
+      lambda c, p, e: taken.append((c, p, e)) or True])
+  assert wrapped(backend, "module") == "executable"
+  assert calls == ["module", "module"] and taken == [("module", "tpu", _REFUSAL)]
+  calls.clear()
+  monkeypatch.setattr(_compat, "_COMPILE_RETRY_HOOKS", [lambda c, p, e: False])
+  with pytest.raises(RuntimeError, match="kExceedsOverlapLimit"):
+    wrapped(backend, "module")
+  assert calls == ["module"]

@@ -21,9 +21,13 @@ A TPU module that holds an async all-to-all (the TPU form of
 `all_gather_start`: collectives/tpu_forms.py) also gets
 `xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
 pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
-one async all-to-all in flight (no option raises it), so a TPU module holding
-more than one such future has each finished where it starts
-(`_one_form_at_most`, said with a `CollectiveNotAsyncWarning`).
+one async all-to-all in flight (no option raises it). Its scheduler keeps
+them one at a time by itself in most modules (fsdp_scan's backward, 2 weights
+x 4 layers: 3 of 4 reduce-scatters with a matmul in flight), but where it
+cannot it refuses the module (`kExceedsOverlapLimit` on an all-to-all-done;
+fsdp_scan, 1 weight x 4 layers or 2 x 5). Only then is each such future
+finished where it starts and the module compiled again
+(`_finish_forms_when_refused`, said with a `CollectiveNotAsyncWarning`).
 
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
@@ -91,8 +95,6 @@ def fenced_sync_collectives(computation) -> list[str]:
 def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
-  if platform == "tpu":
-    _one_form_at_most(computation)
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
@@ -100,30 +102,39 @@ def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
 
 
-def _one_form_at_most(computation) -> None:
-  """A TPU module holding several futures in their TPU form (an all-to-all
-  each) gets them finished where they start: libtpu allows one async
-  all-to-all in flight, and a fenced order or its own unrolling of a short
-  loop would make two overlap (then it fails the compile)."""
-  try:
-    forms = _compat.async_collective_starts(computation).get("all-to-all", 0)
-  except Exception:  # noqa: BLE001 - not an MLIR module
-    return
-  if forms <= 1:
-    return
+def refused_for_two_all_to_alls(error: BaseException) -> bool:
+  """Whether a TPU compile error is libtpu's refusal to put a second async
+  all-to-all in flight."""
+  text = str(error)
+  return "kExceedsOverlapLimit" in text and "all-to-all-done" in text
+
+
+def _finish_forms_when_refused(computation, platform, error) -> bool:
+  """A TPU module that libtpu refused because two of its TPU-form futures
+  (an all-to-all each) would be in flight at once gets each finished where it
+  starts, to be compiled again. Any other failure is left as it is."""
+  if platform != "tpu" or not refused_for_two_all_to_alls(error):
+    return False
   from jax_overlap._src.collectives import lowering  # noqa: PLC0415
-  with computation.context:
-    done = lowering.finish_form_starts_at_once(computation)
-  if done:
-    not_async.warn_once("tpu:several-all-to-alls", (
-        f"{done} futures on tpu in one compiled program are in their TPU "
-        "form (psum_scatter_start, psum_start, all_to_all_start; "
-        "all_gather_start on v5p: an all-to-all each), and the TPU compiler "
-        "allows one async all-to-all at a time (libtpu 0.0.52; no option "
-        "raises it): each runs synchronously here (values unchanged). A "
-        "program with one such future keeps it in flight. Silence with "
-        "warnings.filterwarnings('ignore', "
-        "category=jax_overlap.CollectiveNotAsyncWarning)."))
+  try:
+    with computation.context:
+      done = lowering.finish_form_starts_at_once(computation)
+  except AttributeError:  # not an MLIR module
+    return False
+  if not done:
+    return False
+  not_async.warn_once("tpu:several-all-to-alls", (
+      f"{done} futures on tpu in one compiled program are in their TPU form "
+      "(psum_scatter_start, psum_start, all_to_all_start; all_gather_start "
+      "on v5p: an all-to-all each), and the TPU compiler refused the "
+      "program's schedule because two of them would be in flight at once "
+      "(it allows one async all-to-all, libtpu 0.0.52; no option raises it: "
+      "'kExceedsOverlapLimit'). They run synchronously in this program "
+      "(values unchanged); a program that the compiler schedules one at a "
+      "time keeps them in flight. Silence with warnings.filterwarnings('ignore', "
+      "category=jax_overlap.CollectiveNotAsyncWarning)."))
+  return True
 
 
 _INSTALLED = _compat.add_compile_options_hook(_options_for)
+_RETRY_INSTALLED = _compat.add_compile_retry_hook(_finish_forms_when_refused)
