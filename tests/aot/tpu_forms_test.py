@@ -135,42 +135,50 @@ def _scatter_windows(text):
 REFUSED = "refused the program's schedule"
 
 
-@pytest.mark.parametrize("name,weights,layers", [
-    ("tpu_v5e", 1, 6), ("tpu_v5e", 2, 6), ("tpu_v5p", 1, 4), ("tpu_v5p", 2, 4)])
+@pytest.mark.parametrize("weights,layers", [(1, 4), (2, 6)])
 def test_fsdp_scan_backward_reduce_scatters_overlap_the_matmuls_on_tpu(
-    name, weights, layers):
-  # libtpu allows one async all-to-all in flight and keeps these modules'
-  # forms one at a time by itself: compiled as they are, each reduce-scatter
-  # but the last has a matmul in flight (v5e; on v5p the gathers are
-  # all-to-alls too, and both are in flight across the matmuls).
-  t = target(name)
+    weights, layers):
+  # v5e: the forms are compiled async, each start tied after the previous
+  # form's done (lowering.chain_form_starts; without the ties libtpu refuses
+  # 4 and 5 layers, where XLA unrolls the loop): each reduce-scatter but the
+  # last has a matmul in flight, and the gathers still overlap.
+  t = target("tpu_v5e")
   text, warned = _compile(*_fsdp_program(t, weights, layers))
-  assert not any(REFUSED in m for m in warned), warned
+  assert not any(REFUSED in m or "futures on tpu" in m for m in warned), warned
   assert not any("inside an ordered block" in m for m in warned), warned
   scatters = _scatter_windows(text)
-  overlapped = sum(w.matmuls >= 1 for w in scatters)
-  if name == "tpu_v5e":
-    assert len(scatters) >= 2 and overlapped >= len(scatters) - 1, scatters
-    gathers = [w for w in schedule.windows(text) if w.kind == "all-gather"]
-    assert gathers and all(w.matmuls >= 1 for w in gathers), gathers
-  else:
-    assert overlapped >= layers - 1, scatters
+  assert len(scatters) >= 2, scatters
+  assert all(w.matmuls >= 1 for w in scatters[:-1]), scatters
+  gathers = [w for w in schedule.windows(text) if w.kind == "all-gather"]
+  assert gathers and all(w.matmuls >= 1 for w in gathers), gathers
 
 
-@pytest.mark.parametrize("weights", [1, 2])
-def test_fsdp_scan_backward_that_libtpu_refuses_compiles_with_its_forms_finished(
-    weights):
-  # With 4 layers XLA unrolls the backward loop, and its schedule would put
-  # two of the forms in flight at once: libtpu refuses the module
-  # ("kExceedsOverlapLimit" on an all-to-all-done). Only then does the
-  # library finish each form where it starts and compile it again
-  # (compile_options._finish_forms_when_refused), and says so.
+def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_finished(
+    monkeypatch):
+  # Without the ties, libtpu refuses 4 layers ("kExceedsOverlapLimit" on an
+  # all-to-all-done): the library then finishes each form where it starts
+  # and compiles the module again (compile_options._finish_forms_when_refused),
+  # and says so. The ties make this the fallback for what they miss.
+  from jax_overlap._src.ordering import compile_options
+  monkeypatch.setattr(compile_options, "_chain_forms", lambda computation: None)
   t = target("tpu_v5e")
-  text, warned = _compile(*_fsdp_program(t, weights, 4))
+  text, warned = _compile(*_fsdp_program(t, 1, 4))
   scatters = _scatter_windows(text)
   assert scatters and all(w.matmuls == 0 for w in scatters), scatters
   assert sum(REFUSED in m for m in warned) == 1, warned
-  assert not any("inside an ordered block" in m for m in warned), warned
   # The gathers are untouched: every layer's but the first of each pass.
   gathers = [w for w in schedule.windows(text) if w.kind == "all-gather"]
-  assert sum(w.matmuls >= 1 for w in gathers) >= 2 * 3 * weights - 1, gathers
+  assert sum(w.matmuls >= 1 for w in gathers) >= 2 * 3 - 1, gathers
+
+
+@pytest.mark.parametrize("weights", [1, 2])
+def test_fsdp_scan_backward_on_v5p_compiles_with_its_forms_finished_at_once(weights):
+  # On v5p libtpu 0.0.52 aborts the process on fsdp_scan's backward over 2
+  # or 3 layers with its forms (gathers and reduce-scatters) async, tied or
+  # not ("Check failed" in copy insertion): there each is finished where it
+  # starts before the compile, and a warning says so.
+  t = target("tpu_v5p")
+  text, warned = _compile(*_fsdp_program(t, weights, 2))
+  assert _scatter_windows(text), schedule.windows(text)
+  assert any("aborts on some programs" in m for m in warned), warned
+  assert not any("inside an ordered block" in m for m in warned), warned

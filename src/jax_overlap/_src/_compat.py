@@ -664,10 +664,20 @@ def async_collective_starts(computation) -> dict[str, int]:
 _COMPILE_OPTIONS_HOOKS: list[Callable] = []
 
 
+def _first_device_kind(devices) -> str | None:
+  """The device_kind of the first of `devices` (an array of the devices a
+  module is compiled for), or None where it cannot be read."""
+  try:
+    return np.asarray(devices).flat[0].device_kind
+  except Exception:  # noqa: BLE001 - no devices given, or no device_kind
+    return None
+
+
 def _with_option_hooks(create: Callable) -> Callable:
   """Wraps jax's `create_compile_options` so that each hook
-  `hook(computation, platform, user_options) -> dict` may add XLA options to
-  a compile (merged with the user's `compiler_options`, which win)."""
+  `hook(computation, platform, user_options, device_kind=...) -> dict` may
+  add XLA options to a compile (merged with the user's `compiler_options`,
+  which win); `device_kind` is the target's (e.g. "TPU v5 lite"), or None."""
   signature = inspect.signature(create)
 
   @functools.wraps(create)
@@ -676,9 +686,11 @@ def _with_option_hooks(create: Callable) -> Callable:
     computation = bound.arguments.get("computation")
     platform = getattr(bound.arguments.get("backend"), "platform", None)
     user_options = dict(bound.arguments.get("compiler_options") or {})
+    device_kind = _first_device_kind(bound.arguments.get("np_dev"))
     added: dict[str, Any] = {}
     for hook in _COMPILE_OPTIONS_HOOKS:
-      added.update(hook(computation, platform, user_options))
+      added.update(hook(computation, platform, user_options,
+                        device_kind=device_kind))
     if not added:
       return create(*args, **kwargs)
     bound.arguments["compiler_options"] = {**added, **user_options}

@@ -92,14 +92,62 @@ def fenced_sync_collectives(computation) -> list[str]:
   return found
 
 
-def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
+def _options_for(computation, platform: str, user_options, *,
+                 device_kind: str | None = None) -> dict[str, Any]:
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
+  if platform == "tpu" and _form_count(computation) > 1:
+    if device_kind in FORMS_IN_FLIGHT_KINDS:
+      _chain_forms(computation)
+    else:
+      _finish_forms_at_once(computation, device_kind)
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
   wanted = overlap_options(platform, _compat.async_collective_starts(computation))
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
+
+
+#: TPU generations (device_kind) on which a module holding several TPU-form
+#: futures compiles with them async (tied one after another): v5e, measured
+#: for fsdp_scan's backward over 2 to 12 layers. On v5p libtpu 0.0.52 aborts
+#: the process on some (fsdp_scan over 2 or 3 layers: "Check failed" in copy
+#: insertion, with or without the ties), so there, and on any generation not
+#: measured, they are finished where they start, as before.
+FORMS_IN_FLIGHT_KINDS = frozenset({"TPU v5 lite"})
+
+
+def _form_count(computation) -> int:
+  try:
+    return _compat.async_collective_starts(computation).get("all-to-all", 0)
+  except Exception:  # noqa: BLE001 - not an MLIR module
+    return 0
+
+
+def _chain_forms(computation) -> None:
+  """Each TPU-form start tied after the all-to-all finished before it
+  (`lowering.chain_form_starts`): libtpu then keeps them one at a time."""
+  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  with computation.context:
+    lowering.chain_form_starts(computation)
+
+
+def _finish_forms_at_once(computation, device_kind) -> None:
+  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  with computation.context:
+    done = lowering.finish_form_starts_at_once(computation)
+  if done:
+    not_async.warn_once("tpu:several-all-to-alls", (
+        f"{done} futures on tpu ({device_kind or 'unknown generation'}) in one "
+        "compiled program are in their TPU form (psum_scatter_start, "
+        "psum_start, all_to_all_start; all_gather_start on v5p: an "
+        "all-to-all each); the TPU compiler allows one async all-to-all at a "
+        "time, and on this generation libtpu 0.0.52 aborts on some programs "
+        "holding several in flight (v5p), so each runs synchronously here "
+        "(values unchanged). A program with one such future keeps it in "
+        "flight; on v5e several stay in flight. Silence with "
+        "warnings.filterwarnings('ignore', "
+        "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
 def refused_for_two_all_to_alls(error: BaseException) -> bool:
