@@ -6,8 +6,10 @@ libtpu 0.0.52 crashes or refuses the plain async reduce-scatter, all-reduce
 and rank-2 all-to-all, and compiles every all-gather of v5p synchronously; the
 library lowers those futures there as a rank-3 all-to-all (collectives/
 tpu_forms.py) with `xla_tpu_enable_async_all_to_all` on, one all-to-all in
-flight at a time (the compiler allows no more: a module it refuses for that is
-compiled again with each form finished where it starts). Values are checked on CPU in
+flight at a time (the compiler allows no more: on v5e each start is tied after
+the previous form's done, a module it still refuses for that is compiled again
+with each form finished where it starts; on v5p several are finished at once).
+Values are checked on CPU in
 tests/tpu_forms_test.py; here, the compile and the schedule.
 """
 

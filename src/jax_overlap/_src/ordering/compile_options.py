@@ -21,13 +21,21 @@ A TPU module that holds an async all-to-all (the TPU form of
 `all_gather_start`: collectives/tpu_forms.py) also gets
 `xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
 pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
-one async all-to-all in flight (no option raises it). Its scheduler keeps
-them one at a time by itself in most modules (fsdp_scan's backward, 2 weights
-x 4 layers: 3 of 4 reduce-scatters with a matmul in flight), but where it
-cannot it refuses the module (`kExceedsOverlapLimit` on an all-to-all-done;
-fsdp_scan, 1 weight x 4 layers or 2 x 5). Only then is each such future
-finished where it starts and the module compiled again
-(`_finish_forms_when_refused`, said with a `CollectiveNotAsyncWarning`).
+one async all-to-all in flight (no option raises it), so in a TPU module
+holding several such futures:
+
+* on v5e (`FORMS_IN_FLIGHT_KINDS`), each form's start is tied after the
+  all-to-all finished before it in its block (`lowering.chain_form_starts`):
+  lowering ties those it lowers into one block, but jax lowers each step of an
+  unrolled scan apart, and untied, libtpu refused fsdp_scan's backward over 4
+  and 5 layers. Tied, each reduce-scatter but the last has a matmul in flight
+  (2 to 12 layers, 1 or 2 weights). Should libtpu still refuse a module for
+  two in flight (`kExceedsOverlapLimit` on an all-to-all-done), the forms are
+  finished where they start and it is compiled again
+  (`_finish_forms_when_refused`, a retry hook on jax's compile; warned);
+* elsewhere (v5p, where libtpu 0.0.52 aborts the process on fsdp_scan's
+  backward over 2 or 3 layers with them async, tied or not; generations not
+  measured), each is finished where it starts before the compile (warned).
 
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
