@@ -664,10 +664,20 @@ def async_collective_starts(computation) -> dict[str, int]:
 _COMPILE_OPTIONS_HOOKS: list[Callable] = []
 
 
+def _first_device_kind(devices) -> str | None:
+  """The device_kind of the first of `devices` (an array of the devices a
+  module is compiled for), or None where it cannot be read."""
+  try:
+    return np.asarray(devices).flat[0].device_kind
+  except Exception:  # noqa: BLE001 - no devices given, or no device_kind
+    return None
+
+
 def _with_option_hooks(create: Callable) -> Callable:
   """Wraps jax's `create_compile_options` so that each hook
-  `hook(computation, platform, user_options) -> dict` may add XLA options to
-  a compile (merged with the user's `compiler_options`, which win)."""
+  `hook(computation, platform, user_options, device_kind=...) -> dict` may
+  add XLA options to a compile (merged with the user's `compiler_options`,
+  which win); `device_kind` is the target's (e.g. "TPU v5 lite"), or None."""
   signature = inspect.signature(create)
 
   @functools.wraps(create)
@@ -676,9 +686,11 @@ def _with_option_hooks(create: Callable) -> Callable:
     computation = bound.arguments.get("computation")
     platform = getattr(bound.arguments.get("backend"), "platform", None)
     user_options = dict(bound.arguments.get("compiler_options") or {})
+    device_kind = _first_device_kind(bound.arguments.get("np_dev"))
     added: dict[str, Any] = {}
     for hook in _COMPILE_OPTIONS_HOOKS:
-      added.update(hook(computation, platform, user_options))
+      added.update(hook(computation, platform, user_options,
+                        device_kind=device_kind))
     if not added:
       return create(*args, **kwargs)
     bound.arguments["compiler_options"] = {**added, **user_options}
@@ -697,4 +709,52 @@ def add_compile_options_hook(hook: Callable) -> bool:
   if not getattr(create, "_jax_overlap_option_hooks", False):
     pxla.create_compile_options = _with_option_hooks(create)
   _COMPILE_OPTIONS_HOOKS.append(hook)
+  return True
+
+
+# --- compiling again after a refusal ------------------------------------------
+
+_COMPILE_RETRY_HOOKS: list[Callable] = []
+
+
+def _with_retry_hooks(compile_module: Callable) -> Callable:
+  """Wraps jax's `compile_or_get_cached` so that when the backend refuses a
+  module, each hook `hook(computation, platform, error) -> bool` may rewrite
+  the module in place (returning True) to have it compiled once more. A
+  compile that succeeds, or that no hook takes up, is jax's own."""
+  signature = inspect.signature(compile_module)
+
+  @functools.wraps(compile_module)
+  def compile_or_get_cached(*args, **kwargs):
+    try:
+      return compile_module(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the hooks say which they take
+      bound = signature.bind(*args, **kwargs)
+      computation = bound.arguments.get("computation")
+      platform = getattr(bound.arguments.get("backend"), "platform", None)
+      if not any(hook(computation, platform, error)
+                 for hook in _COMPILE_RETRY_HOOKS):
+        raise
+    # The rewritten module has another cache key: the refused one is never
+    # written to the persistent cache, the rewritten one is.
+    return compile_module(*args, **kwargs)
+
+  compile_or_get_cached._jax_overlap_retry_hooks = True  # type: ignore[attr-defined]
+  return compile_or_get_cached
+
+
+def add_compile_retry_hook(hook: Callable) -> bool:
+  """Adds `hook` (see `_with_retry_hooks`); False where this jax has no
+  `compile_or_get_cached(backend, computation, ...)` to wrap (then a refused
+  compile is the user's error, as it is without the library)."""
+  from jax._src import compiler  # noqa: PLC0415
+  compile_module = getattr(compiler, "compile_or_get_cached", None)
+  if compile_module is None:
+    return False
+  parameters = inspect.signature(compile_module).parameters
+  if "computation" not in parameters or "backend" not in parameters:
+    return False
+  if not getattr(compile_module, "_jax_overlap_retry_hooks", False):
+    compiler.compile_or_get_cached = _with_retry_hooks(compile_module)
+  _COMPILE_RETRY_HOOKS.append(hook)
   return True

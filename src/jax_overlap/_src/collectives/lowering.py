@@ -498,3 +498,68 @@ def finish_form_starts_at_once(module) -> int:
       old.erase()
     del start_op.attributes[tpu_forms.FORM_ATTR]
   return len(starts)
+
+
+def _target(op) -> str:
+  try:
+    return ir.StringAttr(op.attributes["call_target_name"]).value
+  except (KeyError, ValueError):
+    return ""
+
+
+def _holds_all_to_all_start(op) -> bool:
+  found = []
+
+  def visit(inner):
+    if inner.name == "stablehlo.custom_call" and _target(inner) == "all-to-all-start":
+      found.append(inner)
+      return ir.WalkResult.INTERRUPT
+    return ir.WalkResult.ADVANCE
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        inner = inner.operation if hasattr(inner, "operation") else inner
+        inner.walk(visit)
+        if found:
+          return True
+  return False
+
+
+def chain_form_starts(module) -> int:
+  """Makes each TPU-form start of `module` wait for the async all-to-all
+  finished before it in its block (the previous `all-to-all-done`, or a
+  loop, branch or call holding an all-to-all start). Returns how many it
+  tied. Lowering ties them where both are lowered into one block
+  (`_after_last_tpu_all_to_all`), but jax lowers each step of an unrolled
+  scan's ordered blocks apart and splices them together later: without the
+  tie XLA may schedule the next start above the previous done, and libtpu,
+  which allows one async all-to-all in flight, then refuses the module
+  (`kExceedsOverlapLimit`). The tie only states the order libtpu needs; the
+  starts can still run ahead of the compute around them."""
+  starts = []
+
+  def visit(op):
+    if op.name == "stablehlo.custom_call" and tpu_forms.FORM_ATTR in op.attributes:
+      starts.append(op)
+    return ir.WalkResult.ADVANCE
+  module.operation.walk(visit)
+  tied = 0
+  for start_op in starts:
+    last = None
+    for op in start_op.block.operations:
+      op = op.operation if hasattr(op, "operation") else op
+      if op == start_op:
+        break
+      if op.name == "stablehlo.custom_call" and _target(op) == "all-to-all-done":
+        last = op
+      elif op.name in _HOLDERS and len(op.results) and op.regions and \
+          _holds_all_to_all_start(op):
+        last = op
+    if last is None:
+      continue
+    operand = start_op.operands[0]
+    with start_op.location, ir.InsertionPoint(start_op):
+      barrier = hlo.OptimizationBarrierOp([operand, *last.results])
+    start_op.operands[0] = barrier.results[0]
+    tied += 1
+  return tied

@@ -7,8 +7,8 @@ Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
   (libtpu 0.0.52) a `psum_scatter_start`, `psum_start` or `all_to_all_start`
   (and on v5p an `all_gather_start`) that has no TPU form (tpu_forms.py:
   several axis names, vmap, a transpose made by autodiff), and the futures in
-  TPU form of a program holding more than one (libtpu allows one async
-  all-to-all in flight);
+  TPU form of a program holding more than one where libtpu refuses them in
+  flight (it allows one async all-to-all at a time) or aborts on them (v5p);
 * a plain synchronous collective (`jax.lax.all_gather`, `psum`, ...) inside
   an ordered block compiled for TPU or GPU: the fences keep it synchronous
   where XLA left to itself would have made it async. Use its `*_start`

@@ -21,9 +21,21 @@ A TPU module that holds an async all-to-all (the TPU form of
 `all_gather_start`: collectives/tpu_forms.py) also gets
 `xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
 pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
-one async all-to-all in flight (no option raises it), so a TPU module holding
-more than one such future has each finished where it starts
-(`_one_form_at_most`, said with a `CollectiveNotAsyncWarning`).
+one async all-to-all in flight (no option raises it), so in a TPU module
+holding several such futures:
+
+* on v5e (`FORMS_IN_FLIGHT_KINDS`), each form's start is tied after the
+  all-to-all finished before it in its block (`lowering.chain_form_starts`):
+  lowering ties those it lowers into one block, but jax lowers each step of an
+  unrolled scan apart, and untied, libtpu refused fsdp_scan's backward over 4
+  and 5 layers. Tied, each reduce-scatter but the last has a matmul in flight
+  (2 to 12 layers, 1 or 2 weights). Should libtpu still refuse a module for
+  two in flight (`kExceedsOverlapLimit` on an all-to-all-done), the forms are
+  finished where they start and it is compiled again
+  (`_finish_forms_when_refused`, a retry hook on jax's compile; warned);
+* elsewhere (v5p, where libtpu 0.0.52 aborts the process on fsdp_scan's
+  backward over 2 or 3 layers with them async, tied or not; generations not
+  measured), each is finished where it starts before the compile (warned).
 
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
@@ -88,11 +100,15 @@ def fenced_sync_collectives(computation) -> list[str]:
   return found
 
 
-def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
+def _options_for(computation, platform: str, user_options, *,
+                 device_kind: str | None = None) -> dict[str, Any]:
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
-  if platform == "tpu":
-    _one_form_at_most(computation)
+  if platform == "tpu" and _form_count(computation) > 1:
+    if device_kind in FORMS_IN_FLIGHT_KINDS:
+      _chain_forms(computation)
+    else:
+      _finish_forms_at_once(computation, device_kind)
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
@@ -100,30 +116,81 @@ def _options_for(computation, platform: str, user_options) -> dict[str, Any]:
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
 
 
-def _one_form_at_most(computation) -> None:
-  """A TPU module holding several futures in their TPU form (an all-to-all
-  each) gets them finished where they start: libtpu allows one async
-  all-to-all in flight, and a fenced order or its own unrolling of a short
-  loop would make two overlap (then it fails the compile)."""
+#: TPU generations (device_kind) on which a module holding several TPU-form
+#: futures compiles with them async (tied one after another): v5e, measured
+#: for fsdp_scan's backward over 2 to 12 layers. On v5p libtpu 0.0.52 aborts
+#: the process on some (fsdp_scan over 2 or 3 layers: "Check failed" in copy
+#: insertion, with or without the ties), so there, and on any generation not
+#: measured, they are finished where they start, as before.
+FORMS_IN_FLIGHT_KINDS = frozenset({"TPU v5 lite"})
+
+
+def _form_count(computation) -> int:
   try:
-    forms = _compat.async_collective_starts(computation).get("all-to-all", 0)
+    return _compat.async_collective_starts(computation).get("all-to-all", 0)
   except Exception:  # noqa: BLE001 - not an MLIR module
-    return
-  if forms <= 1:
-    return
+    return 0
+
+
+def _chain_forms(computation) -> None:
+  """Each TPU-form start tied after the all-to-all finished before it
+  (`lowering.chain_form_starts`): libtpu then keeps them one at a time."""
+  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  with computation.context:
+    lowering.chain_form_starts(computation)
+
+
+def _finish_forms_at_once(computation, device_kind) -> None:
   from jax_overlap._src.collectives import lowering  # noqa: PLC0415
   with computation.context:
     done = lowering.finish_form_starts_at_once(computation)
   if done:
     not_async.warn_once("tpu:several-all-to-alls", (
-        f"{done} futures on tpu in one compiled program are in their TPU "
-        "form (psum_scatter_start, psum_start, all_to_all_start; "
-        "all_gather_start on v5p: an all-to-all each), and the TPU compiler "
-        "allows one async all-to-all at a time (libtpu 0.0.52; no option "
-        "raises it): each runs synchronously here (values unchanged). A "
-        "program with one such future keeps it in flight. Silence with "
+        f"{done} futures on tpu ({device_kind or 'unknown generation'}) in one "
+        "compiled program are in their TPU form (psum_scatter_start, "
+        "psum_start, all_to_all_start; all_gather_start on v5p: an "
+        "all-to-all each); the TPU compiler allows one async all-to-all at a "
+        "time, and on this generation libtpu 0.0.52 aborts on some programs "
+        "holding several in flight (v5p), so each runs synchronously here "
+        "(values unchanged). A program with one such future keeps it in "
+        "flight; on v5e several stay in flight. Silence with "
         "warnings.filterwarnings('ignore', "
         "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
+def refused_for_two_all_to_alls(error: BaseException) -> bool:
+  """Whether a TPU compile error is libtpu's refusal to put a second async
+  all-to-all in flight."""
+  text = str(error)
+  return "kExceedsOverlapLimit" in text and "all-to-all-done" in text
+
+
+def _finish_forms_when_refused(computation, platform, error) -> bool:
+  """A TPU module that libtpu refused because two of its TPU-form futures
+  (an all-to-all each) would be in flight at once gets each finished where it
+  starts, to be compiled again. Any other failure is left as it is."""
+  if platform != "tpu" or not refused_for_two_all_to_alls(error):
+    return False
+  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  try:
+    with computation.context:
+      done = lowering.finish_form_starts_at_once(computation)
+  except AttributeError:  # not an MLIR module
+    return False
+  if not done:
+    return False
+  not_async.warn_once("tpu:several-all-to-alls", (
+      f"{done} futures on tpu in one compiled program are in their TPU form "
+      "(psum_scatter_start, psum_start, all_to_all_start; all_gather_start "
+      "on v5p: an all-to-all each), and the TPU compiler refused the "
+      "program's schedule because two of them would be in flight at once "
+      "(it allows one async all-to-all, libtpu 0.0.52; no option raises it: "
+      "'kExceedsOverlapLimit'). They run synchronously in this program "
+      "(values unchanged); a program that the compiler schedules one at a "
+      "time keeps them in flight. Silence with warnings.filterwarnings('ignore', "
+      "category=jax_overlap.CollectiveNotAsyncWarning)."))
+  return True
+
+
 _INSTALLED = _compat.add_compile_options_hook(_options_for)
+_RETRY_INSTALLED = _compat.add_compile_retry_hook(_finish_forms_when_refused)
