@@ -123,18 +123,21 @@ def count_layers(params) -> int:
   return n
 
 
-def choose_transfer(axis, params, shard_dims):
+def choose_transfer(axis, params, shard_dims, precision=None, bucket=False):
   axes = _axis_names(axis)
   bound = _compat.bound_axis_names()
+  dtypes = [jnp.result_type(p) for p in jax.tree.leaves(params)]
   if bound is not None and all(a in bound for a in axes):
     return ShardMapTransfer(axes if len(axes) > 1 else axes[0],
-                            _local_dims(params, shard_dims, axes))
+                            _local_dims(params, shard_dims, axes),
+                            precision, dtypes, bucket)
   if bound and any(a in bound for a in axes):
     raise NameError(
         f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
         "the enclosing jax.shard_map binds.")
   return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
-                                                 shard_dims))
+                                                 shard_dims),
+                         precision, dtypes)
 
 
 def _axis_names(axis) -> tuple:
