@@ -5,7 +5,8 @@ profile: modelled, not measured) and the compiled step's temp bytes
 
   python benchmarks/bench_fsdp_knobs.py [--hardware h100] [--layers 4]
 
-Each setting is the demo's step (`jax_overlap._src.demo`, width 1024, 8
+Temp bytes: `compiled.memory_analysis().temp_size_in_bytes` per device of
+the compiled CPU step. Each setting is the demo's step (`jax_overlap._src.demo`, width 1024, 8
 devices) with `fsdp_scan` given those keyword arguments.
 """
 
@@ -35,8 +36,17 @@ SETTINGS = {
 
 
 def measure(kwargs, layers: int, hardware: str):
-  plain = jax_overlap.fsdp_scan
+  """The report's totals and the compiled step's temp bytes."""
+  plain, inspect = jax_overlap.fsdp_scan, jax_overlap.inspect
+  temp = []
+
+  def inspect_and_measure(fn, *args, **kw):
+    if not temp:   # the first step inspected is fsdp_scan's
+      compiled = fn.lower(*args).compile()
+      temp.append(compiled.memory_analysis().temp_size_in_bytes)
+    return inspect(fn, *args, **kw)
   jax_overlap.fsdp_scan = functools.partial(plain, **kwargs)
+  jax_overlap.inspect = inspect_and_measure
   try:
     opts = training.Options(layers=layers, hardware=hardware)
     cfg = model.Config(vocab=32, layers=layers)   # as benchmarks/bench.py
@@ -44,9 +54,8 @@ def measure(kwargs, layers: int, hardware: str):
     report = training.overlap_reports(cfg, opts,
                                       optax.adamw(3e-3))["fsdp_scan"]
   finally:
-    jax_overlap.fsdp_scan = plain
-  t = report.totals
-  return t
+    jax_overlap.fsdp_scan, jax_overlap.inspect = plain, inspect
+  return report.totals, temp[0]
 
 
 def main():
@@ -56,11 +65,12 @@ def main():
   args = parser.parse_args()
   print(f"demo step, {args.layers} blocks, modelled on {args.hardware}")
   for name, kwargs in SETTINGS.items():
-    t = measure(kwargs, args.layers, args.hardware)
+    t, temp = measure(kwargs, args.layers, args.hardware)
     print(f"{name:45s} exposed {t['exposed_s'] * 1e6:7.1f} us of "
           f"{t['comm_s'] * 1e6:7.1f} us comm "
-          f"({t['exposed_s'] / t['comm_s']:.1%}); bound "
-          f"{t['bound_exposed_s'] * 1e6:.1f} us", flush=True)
+          f"({t['exposed_s'] / t['comm_s']:.1%}, modelled); bound "
+          f"{t['bound_exposed_s'] * 1e6:.1f} us; temp "
+          f"{temp / 2**20:.1f} MiB (compiled, CPU)", flush=True)
 
 
 if __name__ == "__main__":

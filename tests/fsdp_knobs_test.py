@@ -229,8 +229,8 @@ def test_xs_per_layer_inputs_like_lax_scan(context):
   if context == "shard_map":
     # Each device draws the mask of its own rows from the layer's key
     # (shape B/8, the same on every device): so does the reference.
-    ref = lambda x, p, xs: sum(_xs_reference(part, p, xs)
-                               for part in jnp.split(x, 8))
+    ref = lambda x, p, xs: jax.vmap(lambda part: _xs_reference(part, p, xs))(
+        x.reshape(8, -1, *x.shape[1:])).sum()
   wvalue, (wgx, wgp, wgxs) = grad(ref)(x, params, xs)
   _close((value, gx, gp, gxs["scale"]), (wvalue, wgx, wgp, wgxs["scale"]),
          rtol=1e-4, atol=1e-5)
@@ -291,3 +291,53 @@ def test_bucket_one_gather_and_one_reduce_scatter_per_layer_and_dtype():
   for kind in ("all_gather", "psum_scatter"):
     assert per_site(starts[True], kind) * 3 == per_site(starts[False], kind) * 2, \
         starts
+
+
+# --- HSDP: sharded over one axis, replicated over another ----------------------------
+
+@functools.cache
+def _hsdp_mesh(explicit: bool):
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  return jax.make_mesh((2, 4), ("replica", "fsdp"), axis_types=(kind, kind))
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_hsdp_gradients_on_a_replica_by_fsdp_mesh(context):
+  x, params = _inputs()
+  specs = {"w1": P(None, "fsdp"), "w2": P(None, "fsdp")}
+  kw = dict(axis="fsdp", replica_axis="replica")
+  batch = P(("replica", "fsdp"))
+  mesh = _hsdp_mesh(context == "explicit")
+  if context == "shard_map":
+    @jax.shard_map(mesh=mesh, in_specs=(batch, specs), out_specs=P())
+    def loss(x, params):
+      y = jo.fsdp_scan(mlp_layer, x, params, **kw)
+      return lax.psum(jnp.sum(y ** 2), ("replica", "fsdp"))
+    args, ctx = (x, params), contextlib.nullcontext()
+  else:
+    def loss(x, params):
+      return jnp.sum(jo.fsdp_scan(mlp_layer, x, params, **kw) ** 2)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    args = (put(x, batch), jax.tree.map(put, params, specs))
+    ctx = jax.set_mesh(mesh)
+  with ctx:
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    got = f(*args)
+    jaxpr = f.trace(*args).jaxpr
+  want = jax.jit(jax.value_and_grad(_cast_reference(jnp.float32),
+                                    argnums=(0, 1)))(x, params)
+  # Not doubled: jax's own sum over the replicas of a replica-invariant
+  # weight's gradient is not made on top of ours.
+  _close(got, want, rtol=1e-4, atol=1e-5)
+  if context == "explicit":
+    for g, p in zip(jax.tree.leaves(got[1][1]), jax.tree.leaves(args[1])):
+      assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding,
+                                                               p.sharding)
+    return
+  from fsdp_test import _windows  # noqa: PLC0415 - the same window finder
+  windows = _windows(jaxpr)
+  reduces = [prims for kind, prims in windows if kind == "psum"]
+  # One all-reduce over the replicas per leaf per written site; the one in
+  # the loop body (and the one after it) run across a layer's backward.
+  assert reduces, windows
+  assert sum("dot_general" in prims for prims in reduces) >= 2, windows

@@ -277,6 +277,12 @@ MISUSES = [
      lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
                           bucket="auto"),
      TypeError, r"fsdp_scan\(bucket=\.\.\.\) must be True or False, got 'auto'\."),
+    ("fsdp-replica-axis", "a misspelt replica_axis inside shard_map",
+     lambda: smap(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w, axis="i",
+                                            replica_axis="r"),
+                  in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     NameError, r"fsdp_scan\(replica_axis='r'\): no mesh axis named 'r' here: "
+     r"the enclosing jax\.shard_map binds \('i',\)"),
     # --- collective matmul -------------------------------------------------------------
     ("matmul-axis", "all_gather_matmul over an unbound axis",
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "j"))(X),

@@ -51,6 +51,23 @@ class PairTransfer:
 
   def __init__(self, inner):
     self.inner = inner
+    self.stages = getattr(inner, "stages", 1)
+
+  def reduce_now(self, pair):
+    return self.inner.reduce_now(pair[0]), pair[1]
+
+  def step2(self, compute: Callable[[], Any], gather=None, scatter=None,
+            reduce=None):
+    out, gathered, scattered, reduced = self.inner.step2(
+        compute, gather=None if gather is None else gather[0],
+        scatter=None if scatter is None else scatter[0],
+        reduce=None if reduce is None else reduce[0])
+    # xs[i]'s cotangent rides beside its layer's gradient through both
+    # stages, so it is put at that layer's index with it.
+    return (out,
+            None if gather is None else (gathered, gather[1]),
+            None if scatter is None else (scattered, scatter[1]),
+            None if reduce is None else (reduced, reduce[1]))
 
   def gather_now(self, pair):
     return self.inner.gather_now(pair[0]), pair[1]

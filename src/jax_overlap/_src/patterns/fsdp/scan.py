@@ -25,7 +25,7 @@ from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               shard_dims=None, unroll: int = 2, remat_policy=None,
               xs=None, param_dtype=None, reduce_dtype=None,
-              bucket: bool = True):
+              bucket: bool = True, replica_axis=None):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -142,7 +142,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   n_layers = count_layers(params)
   if xs is not None:
     check_xs(xs, n_layers)
-  transfer = choose_transfer(axis, params, shard_dims, precision, bucket)
+  transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
+                             replica_axis)
   if isinstance(transfer, ReshardTransfer):
     trial = layer if xs is None else (
         lambda x, w, xs0=_layer(xs, 0): layer(x, w, xs0))
@@ -213,6 +214,14 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
           lambda G, p: G if differentiable(p) else float0_zeros(p), grads,
           params)
 
+    finish = lambda grads: jax.tree.map(
+        lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
+    if transfer.stages == 2:
+      x_bar, grads = _hsdp_backward(transfer, backward, saved, saved_last,
+                                    params, w, y_bar, grads, put, n_layers,
+                                    unroll)
+      return x_bar, finish(grads)
+
     (x_bar, pending), w, _ = transfer.step(
         lambda: backward(saved_last, w, y_bar),
         gather=_layer(params, n_layers - 2))
@@ -235,6 +244,43 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
 
   run.defvjp(run_fwd, run_bwd)
   return run(x, params)
+
+
+def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
+                   grads, put, n_layers, unroll):
+  """The backward pass with a second stage (HSDP): layer i's step prefetches
+  layer i-1, reduce-scatters layer i+1's gradient over the fsdp axis and
+  all-reduces layer i+2's (reduce-scattered a step before) over the
+  replicas. Returns `(x_bar, grads)`."""
+  (x_bar, g), w, _, _ = transfer.step2(
+      lambda: backward(saved_last, w, y_bar),
+      gather=_layer(params, n_layers - 2))
+  if n_layers == 2:
+    (x_bar, g0), _, s1, _ = transfer.step2(
+        lambda: backward(_layer(saved, 0), w, x_bar), scatter=g)
+    grads = put(put(grads, transfer.reduce_now(s1), 1),
+                transfer.scatter_now(g0), 0)
+    return x_bar, grads
+  # Layer n-2: nothing scattered yet to all-reduce.
+  (x_bar, g_next), w, s, _ = transfer.step2(
+      lambda: backward(_layer(saved, n_layers - 2), w, x_bar),
+      gather=_layer(params, n_layers - 3), scatter=g)
+
+  def body(carry, i):   # layer i's backward; prefetch i-1, scatter i+1,
+    x_bar, w, g, s, grads = carry   # all-reduce i+2
+    (x_bar, g_i), w_prev, s_next, done = transfer.step2(
+        lambda: backward(_layer(saved, i), w, x_bar),
+        gather=_layer(params, i - 1), scatter=g, reduce=s)
+    return (x_bar, w_prev, g_i, s_next, put(grads, done, i + 2)), None
+
+  (x_bar, w, g, s, grads), _ = _scan_remainder_first(
+      body, (x_bar, w, g_next, s, grads), jnp.arange(n_layers - 3, 0, -1),
+      unroll)
+  (x_bar, g0), _, s1, done2 = transfer.step2(
+      lambda: backward(_layer(saved, 0), w, x_bar), scatter=g, reduce=s)
+  grads = put(put(put(grads, done2, 2), transfer.reduce_now(s1), 1),
+              transfer.scatter_now(g0), 0)
+  return x_bar, grads
 
 
 def _scan_remainder_first(body, carry, xs, unroll: int):

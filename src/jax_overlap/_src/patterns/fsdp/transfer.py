@@ -34,7 +34,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import all_gather_start, program_order, psum_scatter_start
+from jax_overlap import (all_gather_start, program_order, psum_scatter_start,
+                         psum_start)
+from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
@@ -52,8 +54,13 @@ class ShardMapTransfer:
   dtypes: each leaf's own dtype (flattened), the one its gradient returns in.
   """
 
-  def __init__(self, axis, dims, precision=None, dtypes=None, bucket=False):
+  def __init__(self, axis, dims, precision=None, dtypes=None, bucket=False,
+               replica=None):
     self.axis = axis
+    # HSDP: the axis (or axes) the params are replicated over; each layer's
+    # gradient is reduce-scattered over `axis`, then all-reduced over it.
+    self.replica = replica
+    self.stages = 1 if replica is None else 2
     self.dims = list(dims)
     self.precision = precision or Precision()
     self.dtypes = list(dtypes) if dtypes is not None else [None] * len(self.dims)
@@ -90,7 +97,31 @@ class ShardMapTransfer:
             b.pack_shards([cast[k] for k in b.members]), self.axis, tiled=True))
     return _Pending(treedef, out, buckets, started,
                     lambda b, flat: b.unpack_gathered(
-                        flat.reshape(self._size(), -1)))
+                        flat.reshape(self._size(), -1)),
+                    post=self._varying_over_replicas,
+                    sharded=[d is not None for d in self.dims])
+
+  def _varying_over_replicas(self, w):
+    """HSDP: a gathered weight typed as varying over the replica axes, so
+    that its gradient is left unreduced over them by autodiff and the one
+    all-reduce is ours (after the reduce-scatter); else jax would sum the
+    gradient of a replica-invariant input over them itself, and ours would
+    double it."""
+    if self.replica is None:
+      return w
+    replicas = self.replica if isinstance(self.replica, tuple) \
+        else (self.replica,)
+    vma = _compat.varying_axes(w)
+    missing = tuple(a for a in replicas if vma is None or a not in vma)
+    return lax.pcast(w, missing, to="varying") if missing else w
+
+  def _reduce_starts(self, shards):
+    """HSDP: all-reduce each reduce-scattered gradient shard over the
+    replica axes."""
+    def start(path, s, d):
+      with moving_leaf(path):
+        return psum_start(s, self.replica)
+    return self._per_leaf(start, shards)
 
   def _scatter_starts(self, grads):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -130,7 +161,14 @@ class ShardMapTransfer:
     return _finish(self._gather_starts(shards))
 
   def scatter_now(self, grads):
-    return self._own_dtypes(_finish(self._scatter_starts(grads)))
+    scattered = _finish(self._scatter_starts(grads))
+    if self.replica is not None:
+      return self.reduce_now(scattered)
+    return self._own_dtypes(scattered)
+
+  def reduce_now(self, scattered):
+    """HSDP's second stage at once: the all-reduce over the replicas."""
+    return self._own_dtypes(_finish(self._reduce_starts(scattered)))
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
     @program_order(enforce=True)
@@ -139,6 +177,22 @@ class ShardMapTransfer:
       scattering = None if scatter is None else self._scatter_starts(scatter)
       out = program_order(enforce=False)(compute)()
       return out, _finish(gathering), self._own_dtypes(_finish(scattering))
+    return ordered()
+
+  def step2(self, compute: Callable[[], Any], gather=None, scatter=None,
+            reduce=None):
+    """HSDP's step: `reduce` (shards reduce-scattered a step before) is
+    all-reduced over the replicas while `scatter` is reduce-scattered and
+    `compute` runs. Returns `(compute(), gathered, scattered, reduced)`;
+    `scattered` is the next step's `reduce`, `reduced` final gradients."""
+    @program_order(enforce=True)
+    def ordered():
+      gathering = None if gather is None else self._gather_starts(gather)
+      scattering = None if scatter is None else self._scatter_starts(scatter)
+      reducing = None if reduce is None else self._reduce_starts(reduce)
+      out = program_order(enforce=False)(compute)()
+      return (out, _finish(gathering), _finish(scattering),
+              self._own_dtypes(_finish(reducing)))
     return ordered()
 
 
@@ -183,6 +237,8 @@ class ReshardTransfer:
     resharding it back reduce-scatters); empty: gathered to plain
     replicated. See `reduced_axes`.
   """
+
+  stages = 1   # HSDP's all-reduce over replicas is the partitioner's here
 
   def __init__(self, axes, layouts, precision=None, dtypes=None):
     self.axes = tuple(axes)
@@ -291,15 +347,20 @@ class _Pending:
   """One layer's collectives in flight: a future per lone leaf, one per
   bucket; `finish()` waits for them all and unpacks the buckets."""
 
-  def __init__(self, treedef, leaves, buckets, started, unpack):
+  def __init__(self, treedef, leaves, buckets, started, unpack, post=None,
+               sharded=None):
     self.treedef, self.leaves = treedef, leaves
     self.buckets, self.started, self.unpack = buckets, started, unpack
+    self.post, self.sharded = post, sharded   # post: on each sharded leaf
 
   def finish(self):
     out = [f.done() if isinstance(f, Future) else f for f in self.leaves]
     for b, f in zip(self.buckets, self.started):
       for k, leaf in zip(b.members, self.unpack(b, f.done())):
         out[k] = leaf
+    if self.post is not None:
+      out = [self.post(a) if moved else a
+             for a, moved in zip(out, self.sharded, strict=True)]
     return jax.tree.unflatten(self.treedef, out)
 
 
