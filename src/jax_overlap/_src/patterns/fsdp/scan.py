@@ -107,6 +107,16 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       packing costs a copy of the shards). False: one per leaf. On an
       explicit-sharding mesh XLA's partitioner makes the collectives and
       this has no effect.
+    replica_axis: hybrid sharding (HSDP): the mesh axis (or tuple of axes)
+      the params are replicated over, beside `axis` that they are sharded
+      over. Inside shard_map each gathered weight is typed as varying over
+      it (else jax would sum its gradient over the replicas itself, and the
+      all-reduce below would double it), and each layer's gradient is
+      reduce-scattered over `axis`, then all-reduced over `replica_axis`
+      one layer later, in flight across the next layer's backward (never a
+      whole layer's gradient all-reduced). On an explicit-sharding mesh the
+      axis is checked and XLA's partitioner makes that all-reduce (shard
+      the batch over both axes).
 
   Returns:
     The output of the last layer. Its gradients with respect to `params` come
