@@ -68,14 +68,18 @@ class Bucket:
     return out
 
 
-def plan_buckets(dims, local_shapes, dtypes):
+def plan_buckets(dims, local_shapes, dtypes, varying=None):
   """Buckets of the sharded leaves of one layer: one per dtype the gather
-  carries, with at least two members (a lone leaf travels as it is).
+  carries and set of mesh axes the leaf varies over (`varying`, inside
+  shard_map: packing a leaf with one that varies over more axes, e.g. a
+  norm scale with tensor-parallel weights, would type it as varying over
+  them too), with at least two members (a lone leaf travels as it is).
   Returns `(buckets, lone)`: lone are the positions gathered one by one."""
   groups = {}
   for k, (d, dtype) in enumerate(zip(dims, dtypes)):
     if d is not None:
-      groups.setdefault(np.dtype(dtype), []).append(k)
+      key = (np.dtype(dtype), None if varying is None else varying[k])
+      groups.setdefault(key, []).append(k)
   buckets, lone = [], []
   for members in groups.values():
     if len(members) < 2:

@@ -79,7 +79,8 @@ class ShardMapTransfer:
     if not self.bucket:
       return [], [k for k, d in enumerate(self.dims) if d is not None]
     return plan_buckets(self.dims, [jnp.shape(a) for a in leaves],
-                        [a.dtype for a in leaves])
+                        [a.dtype for a in leaves],
+                        [_compat.varying_axes(a) for a in leaves])
 
   def _gather_starts(self, shards):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shards)
