@@ -14,7 +14,11 @@ import jax_overlap as jo
 from jax_overlap import OverlapReport, all_gather_matmul, fsdp_scan, matmul_reduce_scatter
 from jax_overlap._src.patterns.leaf_scope import leaf_from_op_name, moving
 
-LEAVES = {"['w1']", "['w2']"}
+# fsdp_scan packs a layer's leaves into one bucket (bucket=True, the
+# default): its collectives are named after the bucket's leaves together;
+# with bucket=False, one collective per leaf, each named after its leaf.
+LEAVES = {"['w1']+['w2']"}
+PER_LEAF = {"['w1']", "['w2']"}
 
 
 def _mesh():
@@ -25,10 +29,10 @@ def _layer(x, w):
   return x + jnp.tanh(x @ w["w1"]) @ w["w2"]
 
 
-def _fsdp_model():
+def _fsdp_model(bucket=True):
   @jax.shard_map(mesh=_mesh(), in_specs=(P("d"), P(None, "d")), out_specs=P("d"))
   def model(x, params):
-    return fsdp_scan(_layer, x, params, axis="d")  # the line reported
+    return fsdp_scan(_layer, x, params, axis="d", bucket=bucket)  # reported
   return model
 
 
@@ -56,17 +60,19 @@ def test_forward_prefetches_in_the_scan_body_name_the_users_line():
     assert w.leaf in LEAVES
 
 
-def test_gradient_records_name_their_leaf_written_and_compiled():
-  model = _fsdp_model()
+@pytest.mark.parametrize("bucket", [True, False])
+def test_gradient_records_name_their_leaf_written_and_compiled(bucket):
+  model = _fsdp_model(bucket)
+  leaves = LEAVES if bucket else PER_LEAF
   step = jax.jit(jax.grad(lambda x, p: model(x, p).sum(), 1))
   written = jo.inspect(step, X, PARAMS, schedule="written")
   kinds = {(c.kind, c.leaf) for c in written.collectives}
   assert kinds == {(k, leaf) for k in ("all-gather", "reduce-scatter")
-                   for leaf in LEAVES}
+                   for leaf in leaves}
   assert all(c.where == FSDP_LINE for c in written.collectives)
   compiled = jo.inspect(step, X, PARAMS, schedule="compiled")
   assert compiled.collectives
-  assert {c.leaf for c in compiled.collectives} == LEAVES  # from op_name
+  assert {c.leaf for c in compiled.collectives} == leaves  # from op_name
   _check_where(compiled.collectives)
   data = written.to_dict()
   assert [c["leaf"] for c in data["collectives"]] == \

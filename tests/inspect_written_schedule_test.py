@@ -163,12 +163,13 @@ def test_fsdp_step_exposes_only_what_has_nothing_to_hide_behind(fsdp_reports):
   report = fsdp_reports[layers]
   kinds = sorted({c.kind for c in report.collectives})
   assert kinds == ["all-gather", "all-reduce", "reduce-scatter"]
-  # The first gather of each pass (two weights, forward and backward), the
-  # last reduce-scatter (two weights) and the loss's psum overlap nothing;
-  # everything else is hidden.
+  # The first gather of each pass (forward and backward), the last
+  # reduce-scatter and the loss's psum overlap nothing; everything else is
+  # hidden. (A layer's two weights travel in one bucket, fsdp_scan's
+  # default: one gather and one reduce-scatter per layer.)
   bare = [c for c in report.collectives if "overlaps nothing" in c.flags]
   assert sorted(c.kind for c in bare) == (
-      ["all-gather"] * 4 + ["all-reduce"] + ["reduce-scatter"] * 2)
+      ["all-gather"] * 2 + ["all-reduce"] + ["reduce-scatter"])
   for c in report.collectives:
     if c not in bare:
       assert c.is_async and c.overlapped and c.exposed_s == pytest.approx(
@@ -176,9 +177,9 @@ def test_fsdp_step_exposes_only_what_has_nothing_to_hide_behind(fsdp_reports):
   t = report.totals
   assert t["exposed_s"] == pytest.approx(sum(c.comm_s for c in bare),
                                          rel=1e-9)
-  # The bound: a layer moves 6 transfers of one size (2 weights gathered
-  # forward, gathered again backward, reduce-scattered), and 6 of the
-  # 6 * layers have nothing to hide behind, so at most 1/layers of the
+  # The bound: a layer moves 3 transfers of one size (its bucket gathered
+  # forward, gathered again backward, reduce-scattered), and 3 of the
+  # 3 * layers have nothing to hide behind, so at most 1/layers of the
   # layers' traffic is exposed, plus the loss's psum.
   (psum,) = [c for c in report.collectives if c.kind == "all-reduce"]
   assert psum.flags[0] == "blocking"
@@ -199,17 +200,19 @@ def test_fsdp_loops_run_their_trip_count(fsdp_reports):
     assert sorted({(c.runs, c.trip_count) for c in looped}) == [
         (1, 1), (layers - 2, layers - 2)]
     assert all(c.computation.endswith("_body") for c in looped)
-  # 4 more layers: 4 * 6 more transfers, each as long as any other.
+  # 4 more layers: 4 * 3 more transfers (one bucket each), each as long as
+  # any other.
   gather = next(c for c in fsdp_reports[8].collectives
                 if c.kind == "all-gather").comm_s
   grew = fsdp_reports[8].totals["comm_s"] - fsdp_reports[4].totals["comm_s"]
-  assert grew == pytest.approx(4 * 6 * gather, rel=1e-9)
+  assert grew == pytest.approx(4 * 3 * gather, rel=1e-9)
   assert fsdp_reports[8].compute_s > 1.9 * fsdp_reports[4].compute_s
 
 
 def test_fsdp_forward_alone_runs_inside_its_custom_vjp():
   # Without autodiff the traced program keeps fsdp_scan's custom_vjp call,
-  # which is modelled inline: the forward pass, its first gathers bare.
+  # which is modelled inline: the forward pass, its first gather bare (one
+  # bucket a layer).
   layers = 6
   mesh = _mesh(8)
   specs = {"w1": P(None, AXIS), "w2": P(None, AXIS)}
@@ -222,10 +225,10 @@ def test_fsdp_forward_alone_runs_inside_its_custom_vjp():
   report = jo.inspect(model, _sds(8 * BATCH, D), params, schedule="written")
   assert {c.kind for c in report.collectives} == {"all-gather"}
   bare = [c for c in report.collectives if "overlaps nothing" in c.flags]
-  assert len(bare) == 2 and all(c.runs == 1 for c in bare)
+  assert len(bare) == 1 and all(c.runs == 1 for c in bare)
   assert report.totals["exposed_s"] == pytest.approx(
       sum(c.comm_s for c in bare), rel=1e-9)
-  assert sum(c.runs for c in report.collectives) == 2 * layers
+  assert sum(c.runs for c in report.collectives) == layers
 
 
 def test_plain_scan_with_synchronous_gathers_exposes_everything():

@@ -261,6 +261,28 @@ MISUSES = [
     ("fsdp-layer-dim-sharded", "the layer dimension sharded on an explicit mesh",
      _fsdp_layer_dim_sharded, ValueError,
      r"its layer dimension \(the first\) is sharded over 'l'"),
+    ("fsdp-param-dtype", "param_dtype=jnp.int8 (not a floating dtype)",
+     lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
+                          param_dtype=jnp.int8),
+     TypeError, r"fsdp_scan\(param_dtype=\.\.\.\) must be a floating dtype "
+     r"such as jnp\.bfloat16 or jnp\.float32, or None, got <class "
+     r"'jax\.numpy\.int8'>"),
+    ("fsdp-xs-layers", "xs not stacked over the layers of params",
+     lambda: jo.fsdp_scan(lambda x, w, i: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
+                          xs=jnp.arange(3)),
+     ValueError, r"fsdp_scan\(xs=\.\.\.\): leaf \(xs itself\) has shape \(3,\); "
+     r"every leaf of xs is stacked over the layers like params \(a leading "
+     r"dimension of 2"),
+    ("fsdp-bucket", "bucket='auto' (not a bool)",
+     lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
+                          bucket="auto"),
+     TypeError, r"fsdp_scan\(bucket=\.\.\.\) must be True or False, got 'auto'\."),
+    ("fsdp-replica-axis", "a misspelt replica_axis inside shard_map",
+     lambda: smap(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w, axis="i",
+                                            replica_axis="r"),
+                  in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     NameError, r"fsdp_scan\(replica_axis='r'\): no mesh axis named 'r' here: "
+     r"the enclosing jax\.shard_map binds \('i',\)"),
     # --- collective matmul -------------------------------------------------------------
     ("matmul-axis", "all_gather_matmul over an unbound axis",
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "j"))(X),

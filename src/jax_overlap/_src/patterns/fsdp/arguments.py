@@ -123,18 +123,55 @@ def count_layers(params) -> int:
   return n
 
 
-def choose_transfer(axis, params, shard_dims):
+def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
+                    replica_axis=None):
   axes = _axis_names(axis)
   bound = _compat.bound_axis_names()
+  replicas = _replica_axes(replica_axis, axes, bound, params)
+  dtypes = [jnp.result_type(p) for p in jax.tree.leaves(params)]
   if bound is not None and all(a in bound for a in axes):
     return ShardMapTransfer(axes if len(axes) > 1 else axes[0],
-                            _local_dims(params, shard_dims, axes))
+                            _local_dims(params, shard_dims, axes),
+                            precision, dtypes, bucket,
+                            None if replicas is None else
+                            replicas if len(replicas) > 1 else replicas[0])
   if bound and any(a in bound for a in axes):
     raise NameError(
         f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
         "the enclosing jax.shard_map binds.")
   return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
-                                                 shard_dims))
+                                                 shard_dims),
+                         precision, dtypes)
+
+
+def _replica_axes(replica_axis, axes, bound, params):
+  """HSDP's replica axes as a tuple, or None; checked against the axes in
+  scope (inside shard_map: those it binds; on an explicit mesh: the
+  leaves' mesh axes) and against `axis`."""
+  if replica_axis is None:
+    return None
+  replicas = tuple(replica_axis) if isinstance(replica_axis, (tuple, list)) \
+      else (replica_axis,)
+  if not replicas or not all(isinstance(a, str) for a in replicas) \
+      or set(replicas) & set(axes):
+    raise TypeError(
+        f"fsdp_scan(replica_axis=...) must be a mesh axis name or a tuple of "
+        f"names, none of them in axis={axes if len(axes) > 1 else axes[0]!r}, "
+        f"got {replica_axis!r}.")
+  known = set(bound or ())
+  if not bound:
+    for p in jax.tree.leaves(params):
+      mesh = getattr(getattr(jax.typeof(p), "sharding", None), "mesh", None)
+      known |= set(getattr(mesh, "axis_names", ()) or ())
+  missing = [a for a in replicas if a not in known]
+  if missing:
+    where = (f"the enclosing jax.shard_map binds {tuple(sorted(known))}"
+             if bound else
+             f"the leaves' mesh has axes {tuple(sorted(known))}")
+    raise NameError(
+        f"fsdp_scan(replica_axis={replica_axis!r}): no mesh axis named "
+        f"{missing[0]!r} here: {where}.")
+  return replicas
 
 
 def _axis_names(axis) -> tuple:

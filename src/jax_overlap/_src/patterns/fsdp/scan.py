@@ -12,12 +12,20 @@ from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
                                                       traced_layer)
+from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
+                                                         check_xs,
+                                                         differentiable,
+                                                         float0_zeros,
+                                                         with_layer_inputs)
+from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.transfer import ReshardTransfer
 from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 
 
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
-              shard_dims=None, unroll: int = 2, remat_policy=None):
+              shard_dims=None, unroll: int = 2, remat_policy=None,
+              xs=None, param_dtype=None, reduce_dtype=None,
+              bucket: bool = True, replica_axis=None):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -44,7 +52,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     the fsdp axes is used as it is.
 
   Args:
-    layer: `layer(x, layer_params) -> x`, the same structure, shapes and
+    layer: `layer(x, layer_params) -> x` (`layer(x, layer_params, xs_i)`
+      with `xs`), the same structure, shapes and
       dtypes out as in (checked at the call). It may be a `jax.jit`-wrapped
       function (its body is split like any other), and it may close over
       traced values, even ones being differentiated: they are lifted into
@@ -74,6 +83,40 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       `jax.checkpoint_policies.nothing_saveable`, not its name): the layer
       is recomputed in the backward pass as it says, instead of saving all
       its activations.
+    xs: per-layer inputs, a pytree stacked over the layers like `params`
+      (PRNG keys for dropout, layer indices, per-layer flags or scales),
+      never gathered: layer i is called as `layer(x, params[i], xs[i])`, as
+      `lax.scan` passes its `xs`. Values computed from `xs[i]` alone (a
+      dropout mask from a key) are recomputed in the backward pass, not
+      saved. Float parts get gradients; integer, boolean and key parts
+      float0 ones. Inside shard_map give them in_specs `P()` (the same on
+      every device) or sharded like x (e.g. per-device keys).
+    param_dtype: the dtype each floating shard is cast to before it is
+      gathered (PyTorch FSDP2's `MixedPrecisionPolicy(param_dtype=...)`):
+      a float32 master copy gathered as `jnp.bfloat16` moves half the bytes,
+      and the layer computes with bfloat16 weights. None: the params' own
+      dtypes, no cast.
+    reduce_dtype: the dtype each floating weight gradient is cast to before
+      it is reduce-scattered (FSDP2's `reduce_dtype`; Megatron's
+      `grad_reduce_in_fp32` is `jnp.float32`). None: the gradient's own
+      dtype, which is `param_dtype` where that is given. Either way the
+      gradients come back in each param's own dtype.
+    bucket: inside shard_map, gather all of one layer's sharded leaves of
+      one dtype in one collective, and reduce-scatter their gradients in
+      one, instead of one per leaf (each collective pays a fixed latency;
+      packing costs a copy of the shards). False: one per leaf. On an
+      explicit-sharding mesh XLA's partitioner makes the collectives and
+      this has no effect.
+    replica_axis: hybrid sharding (HSDP): the mesh axis (or tuple of axes)
+      the params are replicated over, beside `axis` that they are sharded
+      over. Inside shard_map each gathered weight is typed as varying over
+      it (else jax would sum its gradient over the replicas itself, and the
+      all-reduce below would double it), and each layer's gradient is
+      reduce-scattered over `axis`, then all-reduced over `replica_axis`
+      one layer later, in flight across the next layer's backward (never a
+      whole layer's gradient all-reduced). On an explicit-sharding mesh the
+      axis is checked and XLA's partitioner makes that all-reduce (shard
+      the batch over both axes).
 
   Returns:
     The output of the last layer. Its gradients with respect to `params` come
@@ -102,10 +145,23 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
     raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1, got {unroll!r}.")
   check_remat_policy(remat_policy)
+  if not isinstance(bucket, bool):
+    raise TypeError(f"fsdp_scan(bucket=...) must be True or False, got "
+                    f"{bucket!r}.")
+  precision = Precision(param_dtype, reduce_dtype)
   n_layers = count_layers(params)
-  transfer = choose_transfer(axis, params, shard_dims)
+  if xs is not None:
+    check_xs(xs, n_layers)
+  transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
+                             replica_axis)
   if isinstance(transfer, ReshardTransfer):
-    transfer.reduced = transfer.reduced_axes(layer, x, _layer(params, 0))
+    trial = layer if xs is None else (
+        lambda x, w, xs0=_layer(xs, 0): layer(x, w, xs0))
+    transfer.reduced = transfer.reduced_axes(trial, x, _layer(params, 0))
+  if xs is not None:
+    # Layer i's weights and xs[i] travel as a pair (layer_inputs.py).
+    layer, transfer = with_layer_inputs(layer), PairTransfer(transfer)
+    params = (params, xs)
   layer, hoisted = traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
@@ -151,14 +207,30 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
     (saved, saved_last), params = residuals
     backward = lambda pullback, w, y_bar: _layer_backward(
         layer, pullback, w, x_avals[0], y_bar)
-    grads = jax.tree.map(jnp.zeros_like, params)
+    # Integer, boolean and key parts of xs have float0 cotangents: a scalar
+    # stands in their stack during the loop, float0 zeros come back.
+    grads = jax.tree.map(
+        lambda p: jnp.zeros_like(p) if differentiable(p) else jnp.zeros(()),
+        params)
     put = lambda grads, g, i: jax.tree.map(
-        lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0), grads, g)
+        lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0)
+        if G.ndim else G, grads, g)
 
     w = transfer.gather_now(_layer(params, n_layers - 1))
     if n_layers == 1:
       x_bar, g = backward(saved_last, w, y_bar)
-      return x_bar, put(grads, transfer.scatter_now(g), 0)
+      grads = put(grads, transfer.scatter_now(g), 0)
+      return x_bar, jax.tree.map(
+          lambda G, p: G if differentiable(p) else float0_zeros(p), grads,
+          params)
+
+    finish = lambda grads: jax.tree.map(
+        lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
+    if transfer.stages == 2:
+      x_bar, grads = _hsdp_backward(transfer, backward, saved, saved_last,
+                                    params, w, y_bar, grads, put, n_layers,
+                                    unroll)
+      return x_bar, finish(grads)
 
     (x_bar, pending), w, _ = transfer.step(
         lambda: backward(saved_last, w, y_bar),
@@ -177,10 +249,48 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
     (x_bar, g0), _, g1 = transfer.step(
         lambda: backward(_layer(saved, 0), w, x_bar), scatter=pending)
     grads = put(put(grads, g1, 1), transfer.scatter_now(g0), 0)
-    return x_bar, grads
+    return x_bar, jax.tree.map(
+        lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
 
   run.defvjp(run_fwd, run_bwd)
   return run(x, params)
+
+
+def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
+                   grads, put, n_layers, unroll):
+  """The backward pass with a second stage (HSDP): layer i's step prefetches
+  layer i-1, reduce-scatters layer i+1's gradient over the fsdp axis and
+  all-reduces layer i+2's (reduce-scattered a step before) over the
+  replicas. Returns `(x_bar, grads)`."""
+  (x_bar, g), w, _, _ = transfer.step2(
+      lambda: backward(saved_last, w, y_bar),
+      gather=_layer(params, n_layers - 2))
+  if n_layers == 2:
+    (x_bar, g0), _, s1, _ = transfer.step2(
+        lambda: backward(_layer(saved, 0), w, x_bar), scatter=g)
+    grads = put(put(grads, transfer.reduce_now(s1), 1),
+                transfer.scatter_now(g0), 0)
+    return x_bar, grads
+  # Layer n-2: nothing scattered yet to all-reduce.
+  (x_bar, g_next), w, s, _ = transfer.step2(
+      lambda: backward(_layer(saved, n_layers - 2), w, x_bar),
+      gather=_layer(params, n_layers - 3), scatter=g)
+
+  def body(carry, i):   # layer i's backward; prefetch i-1, scatter i+1,
+    x_bar, w, g, s, grads = carry   # all-reduce i+2
+    (x_bar, g_i), w_prev, s_next, done = transfer.step2(
+        lambda: backward(_layer(saved, i), w, x_bar),
+        gather=_layer(params, i - 1), scatter=g, reduce=s)
+    return (x_bar, w_prev, g_i, s_next, put(grads, done, i + 2)), None
+
+  (x_bar, w, g, s, grads), _ = _scan_remainder_first(
+      body, (x_bar, w, g_next, s, grads), jnp.arange(n_layers - 3, 0, -1),
+      unroll)
+  (x_bar, g0), _, s1, done2 = transfer.step2(
+      lambda: backward(_layer(saved, 0), w, x_bar), scatter=g, reduce=s)
+  grads = put(put(put(grads, done2, 2), transfer.reduce_now(s1), 1),
+              transfer.scatter_now(g0), 0)
+  return x_bar, grads
 
 
 def _scan_remainder_first(body, carry, xs, unroll: int):

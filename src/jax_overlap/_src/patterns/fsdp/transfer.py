@@ -26,14 +26,21 @@ returns `(compute(), gathered, scattered)`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import all_gather_start, program_order, psum_scatter_start
+from jax_overlap import (all_gather_start, program_order, psum_scatter_start,
+                         psum_start)
+from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
-from jax_overlap._src.patterns.leaf_scope import moving_leaf
+from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
+from jax_overlap._src.patterns.fsdp.precision import Precision
+from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
 
 
 class ShardMapTransfer:
@@ -43,37 +50,126 @@ class ShardMapTransfer:
     of that per-layer leaf that is sharded over `axis`, or None for a leaf
     kept replicated: used as is, never gathered nor scattered (its gradient
     is reduced by autodiff itself, as for any replicated shard_map input).
+  precision: the dtypes gathers and reduce-scatters carry (precision.py).
+  dtypes: each leaf's own dtype (flattened), the one its gradient returns in.
   """
 
-  def __init__(self, axis, dims):
+  def __init__(self, axis, dims, precision=None, dtypes=None, bucket=False,
+               replica=None):
     self.axis = axis
+    # HSDP: the axis (or axes) the params are replicated over; each layer's
+    # gradient is reduce-scattered over `axis`, then all-reduced over it.
+    self.replica = replica
+    self.stages = 1 if replica is None else 2
     self.dims = list(dims)
+    self.precision = precision or Precision()
+    self.dtypes = list(dtypes) if dtypes is not None else [None] * len(self.dims)
+    self.bucket = bucket   # buckets.py: one collective per layer and dtype
 
-  def _per_leaf(self, fn, tree):
+  def _per_leaf(self, fn, tree, keep=lambda a: a):
     """`fn(path, leaf, dim)` on each leaf with a dim; a None dim (a
-    replicated leaf) leaves the leaf as it is."""
+    replicated leaf) gets `keep(leaf)`."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree.unflatten(treedef, [
-        a if d is None else fn(path, a, d)
+        keep(a) if d is None else fn(path, a, d)
         for (path, a), d in zip(leaves, self.dims, strict=True)])
 
+  def _plan(self, leaves):
+    """Buckets of these (local, already cast) leaves, or none."""
+    if not self.bucket:
+      return [], [k for k, d in enumerate(self.dims) if d is not None]
+    return plan_buckets(self.dims, [jnp.shape(a) for a in leaves],
+                        [a.dtype for a in leaves],
+                        [_compat.varying_axes(a) for a in leaves])
+
   def _gather_starts(self, shards):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shards)
+    cast = [self.precision.for_gather(a) for _, a in leaves]
+    buckets, lone = self._plan(cast)
+    out = list(cast)   # replicated leaves: used as they are
+    for k in lone:
+      with moving_leaf(leaves[k][0]):  # the report names the leaf (leaf_scope.py)
+        out[k] = all_gather_start(cast[k], self.axis, axis=self.dims[k],
+                                  tiled=True)
+    started = []
+    for b in buckets:
+      with moving(_bucket_name(leaves, b)):
+        started.append(all_gather_start(
+            b.pack_shards([cast[k] for k in b.members]), self.axis, tiled=True))
+    return _Pending(treedef, out, buckets, started,
+                    lambda b, flat: b.unpack_gathered(
+                        flat.reshape(self._size(), -1)),
+                    post=self._varying_over_replicas,
+                    sharded=[d is not None for d in self.dims])
+
+  def _varying_over_replicas(self, w):
+    """HSDP: a gathered weight typed as varying over the replica axes, so
+    that its gradient is left unreduced over them by autodiff and the one
+    all-reduce is ours (after the reduce-scatter); else jax would sum the
+    gradient of a replica-invariant input over them itself, and ours would
+    double it."""
+    if self.replica is None:
+      return w
+    replicas = self.replica if isinstance(self.replica, tuple) \
+        else (self.replica,)
+    vma = _compat.varying_axes(w)
+    missing = tuple(a for a in replicas if vma is None or a not in vma)
+    return lax.pcast(w, missing, to="varying") if missing else w
+
+  def _reduce_starts(self, shards):
+    """HSDP: all-reduce each reduce-scattered gradient shard over the
+    replica axes."""
     def start(path, s, d):
-      with moving_leaf(path):  # the report names the leaf (leaf_scope.py)
-        return all_gather_start(s, self.axis, axis=d, tiled=True)
+      with moving_leaf(path):
+        return psum_start(s, self.replica)
     return self._per_leaf(start, shards)
 
   def _scatter_starts(self, grads):
-    def start(path, g, d):
-      with moving_leaf(path):
-        return psum_scatter_start(g, self.axis, scatter_dimension=d, tiled=True)
-    return self._per_leaf(start, grads)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    grads_ = [a for _, a in leaves]
+    # (Planned on the gradients' dtypes, which are the gathered weights'.)
+    buckets, lone = self._plan(grads_)
+    buckets = [_with_local_shapes(b, grads_, self._size()) for b in buckets]
+    out = list(grads_)
+    for k in lone:
+      with moving_leaf(leaves[k][0]):
+        out[k] = psum_scatter_start(self.precision.for_reduce(grads_[k]),
+                                    self.axis, scatter_dimension=self.dims[k],
+                                    tiled=True)
+    started = []
+    for b in buckets:
+      rows = b.pack_grads([self.precision.for_reduce(grads_[k])
+                           for k in b.members], self._size())
+      with moving(_bucket_name(leaves, b)):
+        started.append(psum_scatter_start(rows.reshape(-1), self.axis,
+                                          tiled=True))
+    return _Pending(treedef, out, buckets, started,
+                    lambda b, flat: b.unpack_scattered(flat))
+
+  def _size(self) -> int:
+    axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+    return math.prod(lax.axis_size(a) for a in axes)
+
+  def _own_dtypes(self, grads):
+    if grads is None:
+      return None
+    leaves, treedef = jax.tree.flatten(grads)
+    return jax.tree.unflatten(treedef, [
+        Precision.back_to(g, d) for g, d in zip(leaves, self.dtypes,
+                                                 strict=True)])
 
   def gather_now(self, shards):
     return _finish(self._gather_starts(shards))
 
   def scatter_now(self, grads):
-    return _finish(self._scatter_starts(grads))
+    scattered = _finish(self._scatter_starts(grads))
+    if self.replica is not None:
+      return self.reduce_now(scattered)
+    return self._own_dtypes(scattered)
+
+  def reduce_now(self, scattered):
+    """HSDP's second stage at once: the all-reduce over the replicas."""
+    return self._own_dtypes(_finish(self._reduce_starts(scattered)))
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
     @program_order(enforce=True)
@@ -81,7 +177,23 @@ class ShardMapTransfer:
       gathering = None if gather is None else self._gather_starts(gather)
       scattering = None if scatter is None else self._scatter_starts(scatter)
       out = program_order(enforce=False)(compute)()
-      return out, _finish(gathering), _finish(scattering)
+      return out, _finish(gathering), self._own_dtypes(_finish(scattering))
+    return ordered()
+
+  def step2(self, compute: Callable[[], Any], gather=None, scatter=None,
+            reduce=None):
+    """HSDP's step: `reduce` (shards reduce-scattered a step before) is
+    all-reduced over the replicas while `scatter` is reduce-scattered and
+    `compute` runs. Returns `(compute(), gathered, scattered, reduced)`;
+    `scattered` is the next step's `reduce`, `reduced` final gradients."""
+    @program_order(enforce=True)
+    def ordered():
+      gathering = None if gather is None else self._gather_starts(gather)
+      scattering = None if scatter is None else self._scatter_starts(scatter)
+      reducing = None if reduce is None else self._reduce_starts(reduce)
+      out = program_order(enforce=False)(compute)()
+      return (out, _finish(gathering), _finish(scattering),
+              self._own_dtypes(_finish(reducing)))
     return ordered()
 
 
@@ -127,9 +239,14 @@ class ReshardTransfer:
     replicated. See `reduced_axes`.
   """
 
-  def __init__(self, axes, layouts):
+  stages = 1   # HSDP's all-reduce over replicas is the partitioner's here
+
+  def __init__(self, axes, layouts, precision=None, dtypes=None):
     self.axes = tuple(axes)
     self.layouts = layouts
+    self.precision = precision or Precision()
+    # each leaf's own dtype (flattened), the one its gradient returns in
+    self.dtypes = list(dtypes) if dtypes is not None else None
     self.reduced = self._each(lambda lay: lay.fsdp)
 
   def _each(self, fn):
@@ -141,6 +258,7 @@ class ReshardTransfer:
 
   def _gather(self, shards, reduced):
     def gather(s, lay, red):
+      s = self.precision.for_gather(s)
       if not lay.fsdp:
         return s   # replicated over the fsdp axes: used as it is
       spec = P(*lay.gathered, reduced=set(red)) if red else lay.gathered
@@ -203,8 +321,16 @@ class ReshardTransfer:
     return mixed if accepts(mixed) else jax.tree.unflatten(tree, none)
 
   def scatter_now(self, grads):
-    return jax.tree.map(lambda g, lay: jax.reshard(g, lay.spec), grads,
-                        self.layouts)
+    leaves, treedef = jax.tree.flatten(grads)
+    layouts = jax.tree.leaves(self.layouts,
+                              is_leaf=lambda v: isinstance(v, LeafLayout))
+    dtypes = self.dtypes or [None] * len(leaves)
+
+    def scatter(g, lay, dtype):
+      g = self.precision.for_reduce(g) if lay.fsdp else g
+      return Precision.back_to(jax.reshard(g, lay.spec), dtype)
+    return jax.tree.unflatten(treedef, [
+        scatter(*a) for a in zip(leaves, layouts, dtypes, strict=True)])
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
     @program_order(enforce=True)
@@ -218,11 +344,48 @@ class ReshardTransfer:
     return ordered()
 
 
+class _Pending:
+  """One layer's collectives in flight: a future per lone leaf, one per
+  bucket; `finish()` waits for them all and unpacks the buckets."""
+
+  def __init__(self, treedef, leaves, buckets, started, unpack, post=None,
+               sharded=None):
+    self.treedef, self.leaves = treedef, leaves
+    self.buckets, self.started, self.unpack = buckets, started, unpack
+    self.post, self.sharded = post, sharded   # post: on each sharded leaf
+
+  def finish(self):
+    out = [f.done() if isinstance(f, Future) else f for f in self.leaves]
+    for b, f in zip(self.buckets, self.started):
+      for k, leaf in zip(b.members, self.unpack(b, f.done())):
+        out[k] = leaf
+    if self.post is not None:
+      out = [self.post(a) if moved else a
+             for a, moved in zip(out, self.sharded, strict=True)]
+    return jax.tree.unflatten(self.treedef, out)
+
+
+def _bucket_name(leaves, bucket) -> str:
+  return "+".join(jax.tree_util.keystr(leaves[k][0]) for k in bucket.members)
+
+
+def _with_local_shapes(bucket, grads, size):
+  """`bucket` planned on full gradients, with the shards' shapes."""
+  shapes = []
+  for k, d in zip(bucket.members, bucket.dims):
+    shape = list(jnp.shape(grads[k]))
+    shape[d] //= size
+    shapes.append(tuple(shape))
+  return Bucket(bucket.members, bucket.dims, shapes)
+
+
 def _finish(futures):
   # Futures are found by type: a container leaf such as a flax.nnx Variable
   # forwards attribute access to its value, so `hasattr(v, "done")` would
   # finish the Future inside it and drop the container.
   if futures is None:
     return None
+  if isinstance(futures, _Pending):
+    return futures.finish()
   return jax.tree.map(lambda f: f.done() if isinstance(f, Future) else f,
                       futures, is_leaf=lambda f: isinstance(f, Future))

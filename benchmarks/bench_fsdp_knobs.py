@@ -1,0 +1,77 @@
+"""`fsdp_scan`'s knobs on the demo's training step: modelled exposed
+communication (the overlap inspector's cost model, on a named hardware
+profile: modelled, not measured) and the compiled step's temp bytes
+(`memory_analysis()` on the CPU devices), one line per setting.
+
+  python benchmarks/bench_fsdp_knobs.py [--hardware h100] [--layers 4]
+
+Temp bytes: `compiled.memory_analysis().temp_size_in_bytes` per device of
+the compiled CPU step. Each setting is the demo's step (`jax_overlap._src.demo`, width 1024, 8
+devices) with `fsdp_scan` given those keyword arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax_overlap  # noqa: E402
+from jax_overlap._src.demo import model, training  # noqa: E402
+
+SETTINGS = {
+    "bucket=False (one collective per leaf)": dict(bucket=False),
+    "default (bucket=True)": dict(),
+    "param_dtype=bfloat16": dict(param_dtype=jnp.bfloat16),
+    "param_dtype=bfloat16, reduce_dtype=float32":
+        dict(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
+}
+
+
+def measure(kwargs, layers: int, hardware: str):
+  """The report's totals and the compiled step's temp bytes."""
+  plain, inspect = jax_overlap.fsdp_scan, jax_overlap.inspect
+  temp = []
+
+  def inspect_and_measure(fn, *args, **kw):
+    if not temp:   # the first step inspected is fsdp_scan's
+      compiled = fn.lower(*args).compile()
+      temp.append(compiled.memory_analysis().temp_size_in_bytes)
+    return inspect(fn, *args, **kw)
+  jax_overlap.fsdp_scan = functools.partial(plain, **kwargs)
+  jax_overlap.inspect = inspect_and_measure
+  try:
+    opts = training.Options(layers=layers, hardware=hardware)
+    cfg = model.Config(vocab=32, layers=layers)   # as benchmarks/bench.py
+    import optax  # noqa: PLC0415
+    report = training.overlap_reports(cfg, opts,
+                                      optax.adamw(3e-3))["fsdp_scan"]
+  finally:
+    jax_overlap.fsdp_scan, jax_overlap.inspect = plain, inspect
+  return report.totals, temp[0]
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--hardware", default="h100")
+  parser.add_argument("--layers", type=int, default=4)
+  args = parser.parse_args()
+  print(f"demo step, {args.layers} blocks, modelled on {args.hardware}")
+  for name, kwargs in SETTINGS.items():
+    t, temp = measure(kwargs, args.layers, args.hardware)
+    print(f"{name:45s} exposed {t['exposed_s'] * 1e6:7.1f} us of "
+          f"{t['comm_s'] * 1e6:7.1f} us comm "
+          f"({t['exposed_s'] / t['comm_s']:.1%}, modelled); bound "
+          f"{t['bound_exposed_s'] * 1e6:.1f} us; temp "
+          f"{temp / 2**20:.1f} MiB (compiled, CPU)", flush=True)
+
+
+if __name__ == "__main__":
+  main()
