@@ -38,8 +38,8 @@ LABEL = {"tpu_v5e": "TPU v5e 2x4", "tpu_v5p": "TPU v5p 2x2x2",
 #: (column, program key, extra args) of the futures table.
 COLUMNS = [(f"`{k}_start`", "future", (k,)) for k in
            ("all_gather", "ppermute", "psum", "psum_scatter", "all_to_all")] + [
-    ("`fsdp_scan` fwd", "fsdp", (False,)),
-    ("`fsdp_scan` grad", "fsdp", (True,)),
+    ("`fsdp_scan` fwd", "fsdp", (False, True)),    # buckets on, the default
+    ("`fsdp_scan` grad", "fsdp", (True, True)),
     ("`fsdp_scan` explicit, grad", "fsdp_explicit", (True,)),
     ("`all_gather_matmul` fwd / bwd", "collective_matmul", ("all_gather_matmul",)),
     ("`matmul_reduce_scatter` fwd / bwd", "collective_matmul", ("matmul_reduce_scatter",)),
@@ -76,8 +76,16 @@ def _said(warned) -> str:
   return "warned" if warned else "NOT said"
 
 
-def _future_cell(rt, schedule, text, warned, kind):
-  pairs = rt._async(text, rt._HLO_KIND[kind])
+def _hlo_kind(rt, name, kind):
+  """What the future compiles to on `name`: its TPU form is an all-to-all."""
+  if name.startswith("tpu") and not rt.OLDER:
+    forms = rt._V5P_FORM_KIND if name == "tpu_v5p" else rt._TPU_FORM_KIND
+    return forms.get(kind, rt._HLO_KIND[kind])
+  return rt._HLO_KIND[kind]
+
+
+def _future_cell(rt, name, text, warned, kind):
+  pairs = rt._async(text, _hlo_kind(rt, name, kind))
   if pairs and any(w.matmuls for w in pairs):
     return "async, matmul inside" + (f", {_said(warned)}" if warned else "")
   if pairs:
@@ -89,14 +97,19 @@ def _behind(windows):
   return f"{sum(w.matmuls >= 1 for w in windows)}/{len(windows)}"
 
 
-def _fsdp_cell(rt, text, warned, grad):
-  gathers = rt._async(text, "all-gather")
-  scatters = rt._async(text, "reduce-scatter")
-  want = (2 if grad else 1) * (rt.LAYERS - 1) * rt.WEIGHTS
+def _fsdp_cell(rt, name, text, warned, grad):
+  # Buckets (the default): one gather and one reduce-scatter a layer.
+  gathers = rt._async(text, _hlo_kind(rt, name, "all_gather"))
+  scatters = rt._async(text, _hlo_kind(rt, name, "psum_scatter"))
+  if _hlo_kind(rt, name, "all_gather") == _hlo_kind(rt, name, "psum_scatter"):
+    # v5p: both in their TPU form, an all-to-all each, not told apart here
+    cell = f"forms {sum(w.matmuls >= 1 for w in gathers)} of {len(gathers)} with a matmul"
+    return cell + (f", {_said(warned)}" if warned else "")
+  want = (2 if grad else 1) * (rt.LAYERS - 1)
   cell = f"gathers {sum(w.matmuls >= 1 for w in gathers)}/{want}"
   if grad:
     cell += (f", scatters {sum(w.matmuls >= 1 for w in scatters)}"
-             f"/{(rt.LAYERS - 1) * rt.WEIGHTS}")
+             f"/{rt.LAYERS - 1}")
   return cell + (f", {_said(warned)}" if warned else "")
 
 
@@ -134,9 +147,9 @@ def child(name: str) -> None:
         cells.append(_why(e))
         continue
       if key == "future":
-        cells.append(_future_cell(rt, schedule, text, warned, extra[0]))
+        cells.append(_future_cell(rt, name, text, warned, extra[0]))
       elif key.startswith("fsdp"):
-        cells.append(_fsdp_cell(rt, text, warned, extra[0]))
+        cells.append(_fsdp_cell(rt, name, text, warned, extra[0]))
       else:
         permutes = rt._async(text, "collective-permute")
         cells.append(_behind(permutes) + (f", {_said(warned)}" if warned else ""))
@@ -188,10 +201,12 @@ def merge(files) -> str:
   lines += ["", "### The futures, fsdp_scan and collective matmul", "",
             *textwrap.wrap("Futures under `program_order`, a matmul written between start and "
             "`done()`: *async, matmul inside* is an async pair with the matmul in "
-            "its window. fsdp_scan (4 layers, 2 weights; *grad* is `value_and_grad`): "
+            "its window. fsdp_scan (4 layers, 2 weights, buckets on: one gather and one reduce-scatter a layer; "
+            "*grad* is `value_and_grad`): "
             "*k/n*: k gathers (reduce-scatters) with a matmul in flight, n wanted "
             "(all gathers but each pass's first layer's, all reduce-scatters but "
-            "the last layer's). Collective matmul, forward / backward: async "
+            "the last layer's); on TPU a psum_scatter_start is its TPU form, an all-to-all "
+            "(v5p: the gathers too, *forms*). Collective matmul, forward / backward: async "
             "permutes with a block matmul in the window / all permutes. *warned*: "
             "the library said so at compile time; *NOT said*: it did not.", 90), "",
             "| target, jax | " + " | ".join(c[0] for c in COLUMNS) + " |",
