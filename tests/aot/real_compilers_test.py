@@ -419,10 +419,13 @@ def test_fsdp_scan_on_an_explicit_mesh(name, grad):
   # As the shard_map context: each gather but the first layer's (each pass)
   # in flight across matmuls, and on GPU each reduce-scatter but the last.
   text, warned = _compile(name, "fsdp_explicit", grad)
-  assert not warned, warned
   passes = 2 if grad else 1
   gathers = _async(text, "all-gather")
   got, wanted = sum(w.matmuls >= 1 for w in gathers), passes * (LAYERS - 1) * WEIGHTS
+  # Today nothing overlaps there, and the user is told so at the call (a
+  # warning that must go once the compilers overlap these moves).
+  said = any("fsdp_scan on an explicit mesh" in m for m in warned)
+  assert said == (got < wanted), (said, got, wanted, warned)
   _short("explicit", name, got, wanted)
   assert got >= wanted, gathers
   if grad and not name.startswith("tpu"):
