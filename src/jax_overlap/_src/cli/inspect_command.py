@@ -19,6 +19,7 @@ import json
 import shutil
 import sys
 
+from jax_overlap._src.cli.pictures import BAD_INPUT, write_pictures
 from jax_overlap._src.inspection.report.diff import diff_reports
 from jax_overlap._src.inspection.errors import (
     HardwareProfileError, HloParseError)
@@ -29,7 +30,6 @@ from jax_overlap._src.inspection.report.table import render
 
 NAME = "inspect"
 HELP = "what each collective in an HLO dump overlapped (modelled times)"
-BAD_INPUT = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,19 +85,7 @@ def run(args: argparse.Namespace) -> int:
       print("\n".join(hints))
   else:
     print(report, end="")
-  try:
-    if args.timeline:
-      report.save_timeline(args.timeline)
-      print(f"wrote {args.timeline}", file=sys.stderr)
-    if args.trace:
-      report.save_trace(args.trace)
-      print(f"wrote {args.trace}", file=sys.stderr)
-  except OSError as e:
-    return _fail(f"cannot write {e.filename}: {e.strerror}")
-  except ImportError as e:
-    print(f"jax-overlap inspect: {e}", file=sys.stderr)
-    return 1
-  return 0
+  return write_pictures(report, args, "inspect")
 
 
 def _fail(message: str) -> int:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jax_overlap._src.cli.pictures import BAD_INPUT, write_pictures
 from jax_overlap._src.inspection.errors import HardwareProfileError
 from jax_overlap._src.inspection.measured.measured_report import MeasuredReport
 from jax_overlap._src.inspection.measured.xplane import ProfileReadError
 
 NAME = "profile"
 HELP = "measured overlap of a jax.profiler capture, beside the modelled one"
-BAD_INPUT = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,19 +44,7 @@ def run(args: argparse.Namespace) -> int:
   except (ProfileReadError, HardwareProfileError) as e:
     return _fail(str(e))
   print(report.to_json() if args.json else str(report), end="\n" if args.json else "")
-  try:
-    if args.timeline:
-      report.save_timeline(args.timeline)
-      print(f"wrote {args.timeline}", file=sys.stderr)
-    if args.trace:
-      report.save_trace(args.trace)
-      print(f"wrote {args.trace}", file=sys.stderr)
-  except OSError as e:
-    return _fail(f"cannot write {e.filename}: {e.strerror}")
-  except ImportError as e:
-    print(f"jax-overlap profile: {e}", file=sys.stderr)
-    return 1
-  return 0
+  return write_pictures(report, args, "profile")
 
 
 def _fail(message: str) -> int:

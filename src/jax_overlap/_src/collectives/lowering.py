@@ -452,12 +452,8 @@ if _compat.ASYNC_CUSTOM_CALLS:
                            platform=_platform, cacheable=False)
 
 
-def finish_form_starts_at_once(module) -> int:
-  """Makes each TPU-form all-to-all of `module` finish right where it
-  starts (the pair back to back; what ran between its halves now follows
-  it). Returns how many. For a module holding more than one: libtpu allows
-  one async all-to-all in flight and fails the compile when the fences (or
-  its own unrolling of a short loop) make two overlap."""
+def _form_starts(module) -> list:
+  """The TPU-form all-to-all starts of `module`, in module order."""
   starts = []
 
   def visit(op):
@@ -465,6 +461,16 @@ def finish_form_starts_at_once(module) -> int:
       starts.append(op)
     return ir.WalkResult.ADVANCE
   module.operation.walk(visit)
+  return starts
+
+
+def finish_form_starts_at_once(module) -> int:
+  """Makes each TPU-form all-to-all of `module` finish right where it
+  starts (the pair back to back; what ran between its halves now follows
+  it). Returns how many. For a module holding more than one: libtpu allows
+  one async all-to-all in flight and fails the compile when the fences (or
+  its own unrolling of a short loop) make two overlap."""
+  starts = _form_starts(module)
   for start_op in starts:
     started = start_op.results[0]
     with start_op.location, ir.InsertionPoint(start_op):
@@ -536,13 +542,7 @@ def chain_form_starts(module) -> int:
   which allows one async all-to-all in flight, then refuses the module
   (`kExceedsOverlapLimit`). The tie only states the order libtpu needs; the
   starts can still run ahead of the compute around them."""
-  starts = []
-
-  def visit(op):
-    if op.name == "stablehlo.custom_call" and tpu_forms.FORM_ATTR in op.attributes:
-      starts.append(op)
-    return ir.WalkResult.ADVANCE
-  module.operation.walk(visit)
+  starts = _form_starts(module)
   tied = 0
   for start_op in starts:
     last = None
