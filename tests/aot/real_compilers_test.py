@@ -272,7 +272,7 @@ def test_compiled_schedule_keeps_written_order(name):
 #: (target, future) pairs the compiler cannot take as an async pair: the
 #: library lowers them synchronously and says so once. (None left with
 #: jax 0.12: on TPU psum, psum_scatter and all_to_all, and all_gather on
-#: v5p, are async as their TPU form, an all-to-all; tests/aot/tpu_forms_test.py.)
+#: v5p, are async as their TPU form, an all-to-all; tests/aot/tpu_forms_compiled_test.py.)
 SYNC_ON: set = set()
 #: Of SYNC_ON, those compiled synchronous with nothing said.
 NOT_WARNED_YET: dict = {}

@@ -104,7 +104,7 @@ def test_the_form_needs_the_async_all_to_all_option():
   # with it off, libtpu dies on the form's all-to-all pair (run apart).
   target("tpu_v5e")
   out = compilers.compile_in_subprocess("""
-      import tpu_forms_test as t
+      import tpu_forms_compiled_test as t
       t._compile(*t._future_program(target("tpu_v5e"), "psum_scatter"),
                  compiler_options={"xla_tpu_enable_async_all_to_all": False})
       print("compiled")
