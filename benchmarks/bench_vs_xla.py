@@ -427,7 +427,9 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
          f"Made by `{meta['command']}` on {meta['date']} ({meta['wall_s']:.0f} s wall, "
          f"{meta['cores']} cores)"
          + (f"; modules read again by `--reinspect` on {meta['reinspected']}"
-            if meta.get("reinspected") else "") + ". Versions: "
+            if meta.get("reinspected") else "")
+         + (f" ({meta['note_partial']})" if meta.get("note_partial") else "")
+         + ". Versions: "
          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".",
          "",
          "All times but compile times are **modelled** by jax_overlap's inspector "
@@ -462,12 +464,10 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
       cells = ["-"] * 8 + [f"**failed**: {err}"]
     out.append(f"| {TARGETS[r['target']][4]} | {r['layers']} | {r['variant']} | "
                + " | ".join(cells) + " |")
-  out += ["", "Compute is the inspector's modelled compute of the whole step. It grows "
-          "faster than the depth (the inspector costs each in-place "
-          "`dynamic-update-slice` of a stacked loop buffer as a write of the whole "
-          "buffer, so a scan's residual stacking grows with blocks squared), which "
-          "leaves more compute to hide communication behind at 24 blocks than a real "
-          "step has."]
+  out += ["", "Compute is the inspector's modelled compute of the whole step, every "
+          "instruction costed from its shapes (unfused roofline; an in-place "
+          "`dynamic-update-slice` moves only its slice since 2026-12-01: before, a "
+          "scan's residual stacking was costed as whole-buffer writes)."]
   out += ["", "Target (issue 16): `fsdp_scan` exposes no more than any other version "
           "on both, and is within 5% of the (dependency-aware) bound at 24 blocks.", "",
           "| target | measured | holds | why not |", "|---|---|---|---|"]
