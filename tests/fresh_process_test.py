@@ -106,7 +106,7 @@ def test_table_lists_every_entry_point():
   covered = {"program_order", "all_gather_start", "psum_start",
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
              "fsdp_scan", "all_gather_matmul", "matmul_reduce_scatter",
-             "inspect"}
+             "inspect", "measure"}
   public = {name for name in jax_overlap.__all__
             if callable(getattr(jax_overlap, name))
             and not isinstance(getattr(jax_overlap, name), type)}

@@ -250,6 +250,23 @@ def _inspect(context, mesh, checks):
   _close("value", value, np.concatenate([row] * 8), checks, rtol=1e-4)
 
 
+def _measure(context, mesh, checks):
+  # jax's profiler around the jitted step, as this process's first call.
+  step = _shard_map(context, mesh,
+                    lambda w, x: x @ lax.all_gather(w, AXIS, tiled=True),
+                    in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
+  w, x = _x((64, 8)), _x((16, 64), 5)
+  with _context(context, mesh):
+    args = _put(mesh, w, P(AXIS)), _put(mesh, x, P(AXIS))
+    report = jo.measure(step, *args, steps=2, warmup=1)         # first call
+    value = jax.jit(step)(*args)
+  found = [r for r in report.to_dict()["measured"] if r["kind"] == "all-gather"]
+  assert sorted(r["device"] for r in found) == list(range(8)), found
+  assert all(r["runs"] == 2 for r in found), found
+  checks.append("measured")
+  _close("value", value, x @ w, checks, rtol=1e-4)
+
+
 def _cli(context, mesh, checks):
   # The HLO of a plain-jax program (no jax_overlap call), then the CLI's
   # `inspect` on it as this process's first jax_overlap call.
@@ -281,6 +298,7 @@ ENTRIES = {
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),
     "inspect": (_inspect, CONTEXTS),
+    "measure": (_measure, CONTEXTS),
     "cli": (_cli, ("none",)),
 }
 
