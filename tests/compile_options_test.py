@@ -221,16 +221,8 @@ def _reads(value, target: str, limit: int = 400) -> bool:
 
 
 def _form_starts(module):
-  from jax._src.lib.mlir import ir
-  from jax_overlap._src.collectives import tpu_forms
-  found = []
-
-  def visit(op):
-    if op.name == "stablehlo.custom_call" and tpu_forms.FORM_ATTR in op.attributes:
-      found.append(op)
-    return ir.WalkResult.ADVANCE
-  module.operation.walk(visit)
-  return found
+  from jax_overlap._src.collectives import lowering
+  return lowering._form_starts(module)
 
 
 @needs_split_pairs

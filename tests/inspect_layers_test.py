@@ -24,6 +24,7 @@ def _modules():
 
 def _imports(path):
   """(module imported, at module level?) for each inspection import in path."""
+  known = set(MODULES)
   tree = ast.parse(path.read_text())
   top = set(map(id, tree.body))
   for node in ast.walk(tree):
@@ -32,7 +33,6 @@ def _imports(path):
       names = [f"{rest}.{a.name}".lstrip(".") for a in node.names]
       for name in names:
         # `from pkg import module` names a module; `from pkg.module import X` a name.
-        known = {m for m, _ in _modules()}
         yield (name if name in known else rest), id(node) in top
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import Counter
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another compile may hold libtpu
 
@@ -26,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
+import real_compilers_test  # noqa: E402
 import schedule  # noqa: E402
 from compilers import P, arg, compiled_text, target  # noqa: E402
 
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.skipif(
     reason="jax < 0.12 lowers a future's halves back to back on TPU")
 
 N = 8
-RING = [(i, (i + 1) % N) for i in range(N)]
 
 #: future -> the async pair it compiles to, per TPU generation.
 PAIR = {
@@ -63,15 +62,7 @@ def _compile(fn, args, **kwargs):
 
 
 def _start(kind, x):
-  if kind == "all_gather":
-    return jax_overlap.all_gather_start(x, "x", tiled=True)
-  if kind == "psum":
-    return jax_overlap.psum_start(x, "x")
-  if kind == "psum_scatter":
-    return jax_overlap.psum_scatter_start(x, "x", tiled=True)
-  if kind == "all_to_all":
-    return jax_overlap.all_to_all_start(x, "x", 0, 0, tiled=True)
-  return jax_overlap.ppermute_start(x, "x", RING)
+  return real_compilers_test._start(kind, x, N)
 
 
 def _future_program(t, kind):
