@@ -13,13 +13,11 @@ and `readers-versions.txt`. Run in .venv-aot:
 
 from __future__ import annotations
 
-import glob
-import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
+
+from make_real_fixtures import compile_with_dump
 
 HERE = pathlib.Path(__file__).parent
 OUT = HERE.parent / "fixtures" / "hlo" / "real"
@@ -112,23 +110,12 @@ def main() -> int:
   for name in chosen:
     target, function = READER_CASES[name]
     stem = OUT / f"readers-{name}"
-    with tempfile.TemporaryDirectory() as dump:
-      env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
-                 ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-      # libtpu refuses --xla_dump_to in LIBTPU_INIT_ARGS; XLA_FLAGS works.
-      env["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
-      code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
-                           function=function, out=f"{stem}.as_text.txt")
-      run = subprocess.run([sys.executable, "-c", code], env=env,
-                           capture_output=True, text=True, timeout=600)
-      if run.returncode:
-        print(f"{stem.name}: failed\n{run.stderr[-2000:]}", file=sys.stderr)
-        return 1
-      dumps = sorted(glob.glob(f"{dump}/*after_optimizations.txt"),
-                     key=os.path.getsize)
-      if dumps:
-        shutil.copy(dumps[-1], f"{stem}.after_optimizations.txt")
-      print(stem.name, "as_text", "+ dump" if dumps else "(no dump file)")
+    code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
+                         function=function, out=f"{stem}.as_text.txt")
+    run = compile_with_dump(code, stem)
+    if run.returncode:
+      print(f"{stem.name}: failed\n{run.stderr[-2000:]}", file=sys.stderr)
+      return 1
   versions = subprocess.run(
       [sys.executable, "-c",
        "import importlib.metadata as m; print('\\n'.join(f'{p} {m.version(p)}' for p in "

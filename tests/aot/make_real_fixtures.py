@@ -86,6 +86,26 @@ def _section(version: str, lines: list[str]) -> None:
   path.write_text(head + "\n".join(k.rstrip("\n") + "\n" for k in kept))
 
 
+def compile_with_dump(code: str, stem: pathlib.Path) -> subprocess.CompletedProcess:
+  """Runs `code` (which writes `<stem>.as_text.txt`) in a child process with
+  XLA's dump on, and copies the dump file it made to
+  `<stem>.after_optimizations.txt`; the child's result."""
+  with tempfile.TemporaryDirectory() as dump:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    # libtpu refuses --xla_dump_to in LIBTPU_INIT_ARGS; XLA_FLAGS works.
+    env["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+    run = subprocess.run([sys.executable, "-c", code], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode == 0:
+      dumps = sorted(glob.glob(f"{dump}/*after_optimizations.txt"),
+                     key=os.path.getsize)
+      if dumps:
+        shutil.copy(dumps[-1], f"{stem}.after_optimizations.txt")
+      print(stem.name, "as_text", "+ dump" if dumps else "(no dump file)")
+  return run
+
+
 def main() -> int:
   OUT.mkdir(parents=True, exist_ok=True)
   version = md.version("jax")
@@ -98,32 +118,20 @@ def main() -> int:
   for prefix, target in TARGETS.items():
     for name, (key, extra) in PROGRAMS.items():
       stem = OUT / f"{prefix}_{name}-jax{version}"
-      with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
-                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        # libtpu refuses --xla_dump_to in LIBTPU_INIT_ARGS; XLA_FLAGS works.
-        env["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
-        code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
-                             key=key, extra=extra, out=f"{stem}.as_text.txt")
-        run = subprocess.run([sys.executable, "-c", code], env=env,
-                             capture_output=True, text=True, timeout=600)
-        if run.returncode:
-          pathlib.Path(f"{stem}.as_text.txt").unlink(missing_ok=True)
-          lines = run.stderr.splitlines()
-          errors = ([line for line in lines if "failed to legalize" in line] or
-                    [line for line in lines if "Error" in line or "error:" in line] or
-                    [f"exit {run.returncode}"])
-          why = re.sub(r"\s+", " ", errors[-1].strip())
-          why = why[why.find("failed to legalize"):] if "failed to legalize" in why else why
-          why = why[:240]
-          notes.append(f"not made: {prefix}_{name}: {why}")
-          print(f"{stem.name}: does not compile: {why}", file=sys.stderr)
-          continue
-        dumps = sorted(glob.glob(f"{dump}/*after_optimizations.txt"),
-                       key=os.path.getsize)
-        if dumps:
-          shutil.copy(dumps[-1], f"{stem}.after_optimizations.txt")
-        print(stem.name, "as_text", "+ dump" if dumps else "(no dump file)")
+      code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
+                           key=key, extra=extra, out=f"{stem}.as_text.txt")
+      run = compile_with_dump(code, stem)
+      if run.returncode:
+        pathlib.Path(f"{stem}.as_text.txt").unlink(missing_ok=True)
+        lines = run.stderr.splitlines()
+        errors = ([line for line in lines if "failed to legalize" in line] or
+                  [line for line in lines if "Error" in line or "error:" in line] or
+                  [f"exit {run.returncode}"])
+        why = re.sub(r"\s+", " ", errors[-1].strip())
+        why = why[why.find("failed to legalize"):] if "failed to legalize" in why else why
+        why = why[:240]
+        notes.append(f"not made: {prefix}_{name}: {why}")
+        print(f"{stem.name}: does not compile: {why}", file=sys.stderr)
   _section(version, notes)
   return 0
 
