@@ -124,7 +124,7 @@ def _in_place_savings(instr, comp, module) -> float:
   (part of) the result, less the slice written."""
   if instr.opcode == "dynamic-update-slice":
     updates = [(instr, comp, instr.operands[0] if instr.operands else None)]
-    fused_params = None
+    fused = None
   elif instr.opcode == "fusion" and instr.callees("calls"):
     inner = module.computations.get(instr.callees("calls")[0])
     if inner is None:
@@ -134,14 +134,14 @@ def _in_place_savings(instr, comp, module) -> float:
              if root.opcode == "tuple" else [root])
     updates = [(r, inner, r.operands[0]) for r in roots
                if r.opcode == "dynamic-update-slice" and r.operands]
-    fused_params = inner
+    fused = inner
   else:
     return 0.0
   saved = 0.0
   for dus, where, buffer in updates:
     if buffer is None or buffer not in where.by_name or len(dus.operands) < 2:
       continue
-    if fused_params is not None and where.by_name[buffer].opcode != "parameter":
+    if fused is not None and where.by_name[buffer].opcode != "parameter":
       continue  # the buffer is made inside the fusion: it is written whole
     update = where.by_name.get(dus.operands[1])
     update_bytes = update.shape.bytes if update is not None else 0
