@@ -280,20 +280,25 @@ def test_docstring_example_runs():
   assert runner.summarize(verbose=False).failed == 0
 
 
-def test_a_value_expert_fn_closes_over_gets_its_gradient():
-  # expert_fn = s * expert: d(sum y)/ds = sum of the unscaled y; x's
-  # gradient is s times the unscaled one.
+def test_closed_over_values_get_gradients_and_integer_leaves_float0():
+  # expert_fn = s * (expert + shift), s closed over, shift an integer leaf
+  # of expert_params: d(sum y)/ds is the sum of the unscaled y, x's
+  # gradient s times the unscaled one, shift's a float0 zero.
   n, k = 2, 1
   x, ids, weights, params = _inputs(n, 1, k)
+  shift = np.arange(n, dtype=np.int32)
+  shifted = dict(params, b=params["b"] + shift[:, None])
   kept = np.ones(ids.shape, bool)
   dy = np.ones(x.shape, np.float32)
-  want_y, (want_dx, _, _) = dense_reference(x, ids, weights, params, kept, dy)
+  want_y, (want_dx, _, _) = dense_reference(x, ids, weights, shifted, kept, dy)
 
-  def loss(x, s):
+  def loss(x, params, s):
     local = lambda x, ids, w, p: jo.expert_parallel(
-        lambda q, t: s * expert(q, t), x, ids, w, p, axis="i")
+        lambda q, t: s * (expert(q, t) + q["shift"]), x, ids, w, p, axis="i")
     return jnp.sum(jax.shard_map(local, mesh=_mesh(n), in_specs=(P("i"),) * 4,
                                  out_specs=P("i"))(x, ids, weights, params))
-  dx, ds = jax.jit(jax.grad(loss, (0, 1)))(x, 3.0)
+  dx, d_params, ds = jax.jit(jax.grad(loss, (0, 1, 2), allow_int=True))(
+      x, dict(params, shift=shift), 3.0)
   np.testing.assert_allclose(float(ds), want_y.sum(), rtol=1e-4)
   _assert_close(dx, 3.0 * want_dx, rtol=1e-4, atol=1e-4)
+  assert d_params["shift"].dtype == jax.dtypes.float0

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.moe.arguments import (Call, check_call,
@@ -220,9 +221,21 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
     dxs, d_params = exchange_pipeline(transport, call.chunks, send=send,
                                       compute=compute, receive=receive)
   dx = jnp.concatenate(dxs)
-  d_params = jax.tree.map(lambda *g: sum(g[1:], g[0]), *d_params)
+  d_params = jax.tree.map(_sum_over_chunks, *d_params)
   d_weights = jnp.einsum("td,tkd->tk", dy, outs.astype(dy.dtype))
   return dx, d_weights, d_params
+
+
+def _sum_over_chunks(*grads):
+  if grads[0].dtype == jax.dtypes.float0:    # an integer leaf: no gradient
+    return grads[0]
+  return sum(grads[1:], grads[0])
+
+
+def _cotangent_for(grad, primal):
+  if not jnp.issubdtype(primal.dtype, jnp.inexact):
+    return np.zeros(primal.shape, jax.dtypes.float0)
+  return grad.astype(primal.dtype)
 
 
 def _expert_parallel_impl(call, expert_fn, x, weights, params, slots):
@@ -238,7 +251,7 @@ def _bwd(call, expert_fn, residuals, dy):
   weights, params, slots, received, outs = residuals
   dx, d_weights, d_params = _backward(call, expert_fn, weights, params, slots,
                                       received, outs, dy)
-  d_params = jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params)
+  d_params = jax.tree.map(_cotangent_for, d_params, params)
   # The tokens travelled in x's dtype.
   return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype), d_params,
           None)
