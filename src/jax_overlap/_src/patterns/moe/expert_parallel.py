@@ -163,9 +163,9 @@ def _chunk(a, call: Call, c: int):
   return a[c * n:(c + 1) * n]
 
 
-def _forward(call: Call, expert_fn, x, weights, params, slots):
-  """(y, residuals): the tokens each expert received and each (token,
-  choice)'s expert output, per chunk."""
+def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
+  """(y, residuals): with `save`, the tokens each expert received (per
+  chunk) and each (token, choice)'s expert output; else None."""
   transport = choose_transport(call.axis, call.size)
   c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
 
@@ -176,21 +176,22 @@ def _forward(call: Call, expert_fn, x, weights, params, slots):
 
   def compute(c, arrived):
     tokens = _to_experts(call, arrived)
-    return _from_experts(call, _run_experts(call, expert_fn, params,
-                                            tokens)), tokens
+    out = _run_experts(call, expert_fn, params, tokens)
+    return _from_experts(call, out), (tokens if save else None)
 
   def receive(c, returned):
     outs = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
     outs = outs.reshape(call.tokens_per_chunk, call.k, -1)
     w = _chunk(weights, call, c).astype(jnp.result_type(weights, outs))
-    return jnp.einsum("tk,tkd->td", w, outs), outs
+    return jnp.einsum("tk,tkd->td", w, outs), (outs if save else None)
 
   with moving("tokens"):
     results, received = exchange_pipeline(transport, call.chunks, send=send,
                                            compute=compute, receive=receive)
   y = jnp.concatenate([r[0] for r in results])
-  outs = jnp.concatenate([r[1] for r in results])
-  return y, (received, outs)
+  if not save:
+    return y, None
+  return y, (received, jnp.concatenate([r[1] for r in results]))
 
 
 def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
@@ -239,11 +240,12 @@ def _cotangent_for(grad, primal):
 
 
 def _expert_parallel_impl(call, expert_fn, x, weights, params, slots):
-  return _forward(call, expert_fn, x, weights, params, slots)[0]
+  return _forward(call, expert_fn, x, weights, params, slots, save=False)[0]
 
 
 def _fwd(call, expert_fn, x, weights, params, slots):
-  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots)
+  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots,
+                                 save=True)
   return y, (weights, params, slots, received, outs)
 
 
