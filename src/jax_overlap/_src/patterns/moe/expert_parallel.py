@@ -109,13 +109,14 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
                                                           axis=axis)
   expert_params = jax.tree.map(lambda p: vary_like(p, every, axis=axis),
                                expert_params)
-  slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
   layout = dispatch_layout(jnp.asarray(expert_ids), experts=call.experts,
                            chunks=call.chunks, capacity=call.capacity,
-                           slots=slots)
+                           per_expert=per_expert)
   # Values expert_fn closes over (a traced scale, a shared weight) become
   # explicit inputs, so that their gradients flow through the custom_vjp.
-  example = vary_like(jnp.zeros((call.size * slots, x.shape[1]), x.dtype), x)
+  example = vary_like(
+      jnp.zeros((call.size * per_expert, x.shape[1]), x.dtype), x)
   one_expert = jax.tree.map(lambda p: p[0], expert_params)
   closed_fn, consts = jax.closure_convert(expert_fn, one_expert, example)
   y = _expert_parallel(call, closed_fn, x, weights,
@@ -167,12 +168,12 @@ def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
   """(y, residuals): with `save`, the tokens each expert received (per
   chunk) and each (token, choice)'s expert output; else None."""
   transport = choose_transport(call.axis, call.size)
-  c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
 
   def send(c):
     rows = jnp.repeat(_chunk(x, call, c), call.k, axis=0)   # one per choice
     return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 slots=c_slots, like=x))
+                                 per_expert=per_expert, like=x))
 
   def compute(c, arrived):
     tokens = _to_experts(call, arrived)
@@ -197,7 +198,7 @@ def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
 def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
               dy):
   transport = choose_transport(call.axis, call.size)
-  c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
   experts = lambda p, t: _all_experts(expert_fn, p, t)
 
   def send(c):
@@ -207,7 +208,7 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
     rows = (w_c[..., None] * dy_c[:, None, :]).reshape(-1, dy.shape[-1])
     rows = rows.astype(outs.dtype)
     return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 slots=c_slots, like=dy))
+                                 per_expert=per_expert, like=dy))
 
   def compute(c, arrived):
     _, pull = jax.vjp(experts, params, received[c])
