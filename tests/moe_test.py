@@ -290,15 +290,18 @@ def test_axis_size_one_sends_nothing():
 @pytest.mark.skipif(not NEWEST, reason="XLA:CPU keeps the written order of "
                     "an ordered body on jax 0.12 only (0.10.2 and 0.11.0 run "
                     "OptimizationBarrierExpander before scheduling)")
-def test_compiled_cpu_schedule_runs_each_dispatch_before_the_experts_before_it():
-  f, _, args = _overlap_case()
-  text = jax.jit(f).lower(*args).compile().as_text()
-  order = lowered.scheduled_markers(text, {"all-to-all", "tanh"})
+def test_compiled_cpu_schedule_runs_each_dispatch_before_the_experts_before_it():  # noqa: E501
+  f, grad, args = _overlap_case()
+  order = lambda fn: lowered.scheduled_markers(
+      jax.jit(fn).lower(*args).compile().as_text(), {"all-to-all", "tanh"})
   A, X = "all-to-all", "tanh"
   # dispatch 0 | dispatch c+1, experts c, combine c | ... | experts 3, combine 3
   # (XLA:CPU runs each all-to-all where it starts: it has no async ones.)
-  want = [A] + [A, X, A] * (CHUNKS - 1) + [X, A]
-  assert order == want, order
+  one_pass = [A] + [A, X, A] * (CHUNKS - 1) + [X, A]
+  assert order(f) == one_pass, order(f)
+  # The backward pass: the same schedule (the experts' forward, and its tanh,
+  # recomputed under jax.vjp).
+  assert order(grad) == one_pass * 2, order(grad)
 
 
 # --- docs ---------------------------------------------------------------------
