@@ -290,7 +290,7 @@ def test_axis_size_one_sends_nothing():
 @pytest.mark.skipif(not NEWEST, reason="XLA:CPU keeps the written order of "
                     "an ordered body on jax 0.12 only (0.10.2 and 0.11.0 run "
                     "OptimizationBarrierExpander before scheduling)")
-def test_compiled_cpu_schedule_runs_each_dispatch_before_the_experts_before_it():  # noqa: E501
+def test_compiled_cpu_schedule_keeps_the_written_order():
   f, grad, args = _overlap_case()
   order = lambda fn: lowered.scheduled_markers(
       jax.jit(fn).lower(*args).compile().as_text(), {"all-to-all", "tanh"})
