@@ -277,8 +277,9 @@ def test_every_exchange_but_the_first_and_last_is_in_flight_beside_the_experts()
       # The experts' tanh (recomputed under jax.vjp in the backward pass).
       beside = ["tanh" in w for w in own]
       assert beside == [False] + [True] * (2 * CHUNKS - 2) + [False], beside
-      # At most two exchanges in flight: a dispatch and a combine.
-      assert max(w.count("collective_start") for w in own) <= 1, own
+      # One exchange in flight at a time (TPU runs a second all-to-all
+      # synchronously; GPU limits concurrent collectives).
+      assert not any("collective_start" in w for w in own), own
 
 
 def test_axis_size_one_sends_nothing():
@@ -295,9 +296,11 @@ def test_compiled_cpu_schedule_keeps_the_written_order():
   order = lambda fn: lowered.scheduled_markers(
       jax.jit(fn).lower(*args).compile().as_text(), {"all-to-all", "tanh"})
   A, X = "all-to-all", "tanh"
-  # dispatch 0 | dispatch c+1, experts c, combine c | ... | experts 3, combine 3
-  # (XLA:CPU runs each all-to-all where it starts: it has no async ones.)
-  one_pass = [A] + [A, X, A] * (CHUNKS - 1) + [X, A]
+  # dispatch 0 | dispatch c+1, half of experts c, combine c-1, the other
+  # half | ... | combine 3 (XLA:CPU runs each all-to-all where it starts:
+  # it has no async ones).
+  one_pass = ([A] + [A, X, X] + [A, X, A, X] * (CHUNKS - 2) + [X, A, X]
+              + [A])
   assert order(f) == one_pass, order(f)
   # The backward pass: the same schedule (the experts' forward, and its tanh,
   # recomputed under jax.vjp).

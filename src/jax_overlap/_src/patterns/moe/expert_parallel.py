@@ -159,6 +159,18 @@ def _as_buffer(call: Call, flat):
                       rows // call.experts, d)
 
 
+def _split(call: Call, per_expert: int) -> int:
+  """Where each expert's rows of a chunk ([sources * C]) are cut in two
+  halves: one computes beside the dispatch, the other beside the combine.
+  Rows are independent (the padding rows already share each call)."""
+  return max(1, call.size * per_expert // 2)
+
+
+def _rows(tokens, half: int, split: int):
+  """Half 0 or 1 of `tokens` [E_local, rows, ...] along the rows."""
+  return tokens[:, :split] if half == 0 else tokens[:, split:]
+
+
 def _chunk(a, call: Call, c: int):
   n = call.tokens_per_chunk
   return a[c * n:(c + 1) * n]
@@ -169,15 +181,22 @@ def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
   chunk) and each (token, choice)'s expert output; else None."""
   transport = choose_transport(call.axis, call.size)
   per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  split = _split(call, per_expert)
 
   def send(c):
     rows = jnp.repeat(_chunk(x, call, c), call.k, axis=0)   # one per choice
     return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
                                  per_expert=per_expert, like=x))
 
-  def compute(c, arrived):
+  def first(c, arrived):
     tokens = _to_experts(call, arrived)
-    out = _run_experts(call, expert_fn, params, tokens)
+    return tokens, _run_experts(call, expert_fn, params,
+                                _rows(tokens, 0, split))
+
+  def second(c, half):
+    tokens, out = half
+    rest = _run_experts(call, expert_fn, params, _rows(tokens, 1, split))
+    out = jnp.concatenate([out, rest], axis=1)
     return _from_experts(call, out), (tokens if save else None)
 
   def receive(c, returned):
@@ -188,7 +207,8 @@ def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
 
   with moving("tokens"):
     results, received = exchange_pipeline(transport, call.chunks, send=send,
-                                           compute=compute, receive=receive)
+                                           first=first, second=second,
+                                           receive=receive)
   y = jnp.concatenate([r[0] for r in results])
   if not save:
     return y, None
@@ -199,6 +219,7 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
               dy):
   transport = choose_transport(call.axis, call.size)
   per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  split = _split(call, per_expert)
   experts = lambda p, t: _all_experts(expert_fn, p, t)
 
   def send(c):
@@ -210,9 +231,18 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
     return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
                                  per_expert=per_expert, like=dy))
 
-  def compute(c, arrived):
-    _, pull = jax.vjp(experts, params, received[c])
-    d_params, d_tokens = pull(_to_experts(call, arrived))
+  def half_backward(c, arrived, half):
+    _, pull = jax.vjp(experts, params, _rows(received[c], half, split))
+    return pull(_rows(_to_experts(call, arrived), half, split))
+
+  def first(c, arrived):
+    return arrived, half_backward(c, arrived, 0)
+
+  def second(c, state):
+    arrived, (d_params, d_tokens) = state
+    d_params_rest, d_tokens_rest = half_backward(c, arrived, 1)
+    d_params = jax.tree.map(_sum_grads, d_params, d_params_rest)
+    d_tokens = jnp.concatenate([d_tokens, d_tokens_rest], axis=1)
     return _from_experts(call, d_tokens), d_params
 
   def receive(c, returned):
@@ -221,14 +251,15 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
 
   with moving("cotangents"):
     dxs, d_params = exchange_pipeline(transport, call.chunks, send=send,
-                                      compute=compute, receive=receive)
+                                      first=first, second=second,
+                                      receive=receive)
   dx = jnp.concatenate(dxs)
-  d_params = jax.tree.map(_sum_over_chunks, *d_params)
+  d_params = jax.tree.map(_sum_grads, *d_params)
   d_weights = jnp.einsum("td,tkd->tk", dy, outs.astype(dy.dtype))
   return dx, d_weights, d_params
 
 
-def _sum_over_chunks(*grads):
+def _sum_grads(*grads):
   if grads[0].dtype == jax.dtypes.float0:    # an integer leaf: no gradient
     return grads[0]
   return sum(grads[1:], grads[0])

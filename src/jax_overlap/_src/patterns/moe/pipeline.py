@@ -1,27 +1,30 @@
-"""The chunked schedule: each chunk's exchanges in flight beside the experts.
+"""The chunked schedule: each exchange in flight beside half of the experts.
 
 `exchange_pipeline` runs, for chunks `0 .. m-1`, a dispatch exchange
-(`send(c)` to the expert devices), the experts' work on what arrived
-(`compute(c, arrived)`), and a combine exchange of its reply back
-(`receive(c, returned)`). One `program_order(enforce=True)` block keeps this
-written order:
+(`send(c)` to the expert devices), the experts' work on what arrived, in
+two halves (`first(c, arrived)` then `second(c, half)`, which returns the
+reply), and a combine exchange of the reply back (`receive(c, returned)`).
+One `program_order(enforce=True)` block keeps this written order:
 
-    start dispatch 0
+    start dispatch 0; finish it
     for c in 0 .. m-1:
-      arrived_c = dispatch c .done()
       start dispatch c+1                      (its buffer built first)
-      reply_c = compute(c, arrived_c)         <- dispatch c+1 and combine c-1
-      receive(c-1, combine c-1 .done())          are in flight here
-      start combine c (reply_c)
-    receive(m-1, combine m-1 .done())
+      first half of the experts on chunk c    <- dispatch c+1 in flight
+      finish dispatch c+1
+      start combine c-1
+      second half of the experts on chunk c   <- combine c-1 in flight
+      finish combine c-1; receive it
+    start combine m-1; finish it; receive it
 
-so at most two exchanges are in flight at once, both while the experts
-compute. The forward pass sends tokens and receives expert outputs; the
-backward pass sends output cotangents and receives token cotangents, the
-experts' backward in between: the same schedule. The pieces of compute
-(building a buffer, the experts, unpacking) are free blocks
-(`program_order(enforce=False)`): XLA may fuse inside each, not across the
-fences.
+Every exchange but the first and the last has expert compute in flight, and
+only one exchange is in flight at a time: the TPU compiler runs a second
+concurrent all-to-all synchronously, and XLA's GPU scheduler limits
+concurrent collectives (one by default). The forward pass sends tokens and
+receives expert outputs; the backward pass sends output cotangents and
+receives token cotangents, the experts' backward in between: the same
+schedule. The pieces of compute (building a buffer, each half, unpacking)
+are free blocks (`program_order(enforce=False)`): XLA may fuse inside each,
+not across the fences.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from jax_overlap import program_order
 
 def exchange_pipeline(transport, chunks: int, *,
                       send: Callable[[int], Any],
-                      compute: Callable[[int, Any], tuple[Any, Any]],
+                      first: Callable[[int, Any], Any],
+                      second: Callable[[int, Any], tuple[Any, Any]],
                       receive: Callable[[int, Any], Any]):
   """Runs the schedule above; returns `([receive(c, ...)], [extra_c])` with
-  `compute(c, arrived) -> (reply_c, extra_c)`."""
+  `second(c, first(c, arrived)) -> (reply_c, extra_c)`."""
 
   def free(fn, *args):
     return program_order(enforce=False)(lambda: fn(*args))()
@@ -44,17 +48,22 @@ def exchange_pipeline(transport, chunks: int, *,
   @program_order(enforce=True)
   def ordered():
     results, extras = [None] * chunks, [None] * chunks
-    dispatch = transport.start(free(send, 0))
-    combine = None
+    arrived = transport.start(free(send, 0)).done()
+    reply = None                      # chunk c-1's, not yet sent back
     for c in range(chunks):
-      arrived = dispatch.done()
       if c + 1 < chunks:
         dispatch = transport.start(free(send, c + 1))
-      reply, extras[c] = free(compute, c, arrived)
-      if combine is not None:
+      half = free(first, c, arrived)
+      if c + 1 < chunks:
+        arrived = dispatch.done()
+      if reply is not None:
+        combine = transport.start(reply)
+      reply_c, extras[c] = free(second, c, half)
+      if reply is not None:
         results[c - 1] = free(receive, c - 1, combine.done())
-      combine = transport.start(reply)
-    results[chunks - 1] = free(receive, chunks - 1, combine.done())
+      reply = reply_c
+    results[chunks - 1] = free(receive, chunks - 1,
+                               transport.start(reply).done())
     return results, extras
 
   return ordered()
