@@ -36,7 +36,9 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
 
   The tokens are split into `chunks`: the dispatch of chunk c+1 and the
   combine of chunk c-1 are in flight while the experts compute chunk c,
-  every step fenced with `program_order`. The backward pass (a
+  one after the other (each beside half of the chunk's rows: one exchange
+  in flight at a time, which the TPU and GPU compilers keep async), every
+  step fenced with `program_order`. The backward pass (a
   `jax.custom_vjp`) is overlapped the same way: output cotangents travel to
   the experts while the experts' backward of the chunk before runs, and
   token cotangents travel back. Gradients flow to `x`, `weights` and
@@ -60,8 +62,9 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
     expert_fn: `expert_fn(expert_params_e, tokens) -> out`, one expert's
       parameters (the leaves of `expert_params` without their leading
       dimension) and its tokens `[C, D]`, returning `[C, D']`. Applied to
-      every local expert with `jax.vmap`. Give it its parameters through
-      `expert_params`: values it closes over get no gradient.
+      every local expert with `jax.vmap`. Rows must be independent (as in
+      any MoE expert): `tokens` holds padding rows, and a chunk's rows are
+      cut in two halves. Values it closes over are differentiated too.
     x: `[T, D]`, this device's tokens.
     expert_ids: `[T, k]` integers in `[0, E)`, each token's chosen experts.
     weights: `[T, k]`, their combine weights (floating point).
