@@ -46,20 +46,28 @@ def slots_per_expert(tokens_per_chunk: int, k: int, capacity) -> int:
 
 def dispatch_layout(expert_ids, *, experts: int, chunks: int, capacity,
                     per_expert: int) -> Layout:
-  """The layout of `expert_ids` ([T, k]) split into `chunks` in token order."""
+  """The layout of `expert_ids` ([T, k]) split into `chunks` in token order.
+
+  Ranks come from one stable sort of the pairs by (chunk, expert): memory
+  and work grow with `T * k` (plus `chunks * E` counts), not `T * k * E`.
+  """
   tokens, k = expert_ids.shape
-  ids = expert_ids.astype(jnp.int32).reshape(chunks, (tokens // chunks) * k)
+  pairs = (tokens // chunks) * k
+  ids = expert_ids.astype(jnp.int32).reshape(chunks, pairs)
   valid = (ids >= 0) & (ids < experts)
   own = jnp.where(valid, ids, 0)
-  chose = (own[..., None] == jnp.arange(experts, dtype=jnp.int32)) \
-      & valid[..., None]                                  # [chunks, Tc*k, E]
-  chose = chose.astype(jnp.int32)
+  chunk = jnp.arange(chunks, dtype=jnp.int32)[:, None]
+  groups = chunks * experts                    # one more for invalid ids
+  key = jnp.where(valid, chunk * experts + own, groups).reshape(-1)
+  counts = jnp.zeros((groups + 1,), jnp.int32).at[key].add(1)
+  first = jnp.cumsum(counts) - counts          # where each group starts
+  order = jnp.argsort(key, stable=True)        # token, then choice, order kept
+  rank = jnp.arange(key.size, dtype=jnp.int32) - first[key[order]]
   # q: earlier pairs of the same chunk that chose the same expert.
-  earlier_in_chunk = jnp.cumsum(chose, axis=1) - chose
-  q = jnp.take_along_axis(earlier_in_chunk, own[..., None], axis=2)[..., 0]
+  q = jnp.zeros_like(rank).at[order].set(rank).reshape(chunks, pairs)
   kept = valid
   if capacity is not None:
-    per_chunk = chose.sum(axis=1)                        # [chunks, E]
+    per_chunk = counts[:groups].reshape(chunks, experts)
     before = jnp.cumsum(per_chunk, axis=0) - per_chunk   # earlier chunks
     earlier = jnp.take_along_axis(before, own, axis=1) + q
     kept = kept & (earlier < capacity)
