@@ -52,7 +52,8 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   over it contribute 0. Each chunk's buffers hold `min(capacity,
   T / chunks * k)` rows per expert. `capacity=None` is dropless: every
   backend gets padded buffers of the worst case, `T / chunks * k` rows per
-  expert (a ragged all-to-all is not used yet: XLA:CPU cannot run one).
+  expert (a ragged all-to-all is not used yet: XLA:CPU cannot run one, and
+  GPU and TPU would run it synchronously; see docs/moe.md).
 
   An id outside `[0, E)` is an error when `expert_ids` is known at the call
   (a NumPy array); a traced one cannot be checked and is dropped: that

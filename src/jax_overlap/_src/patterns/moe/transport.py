@@ -10,10 +10,11 @@ transpose, so the backward pass uses it too.
 
 Every backend gets the padded transport today: dropless (`capacity=None`)
 sizes `C` for the worst case, `T_chunk * k` slots per expert. A ragged
-all-to-all (`jax.lax.ragged_all_to_all`, which XLA:CPU cannot run) would
-send only the routed rows; it would replace this class (and the layout's
-slot assignment with per-destination offsets) on the backends that compile
-it, behind the same `start(buffer).done()` interface.
+all-to-all (`jax.lax.ragged_all_to_all`, which XLA:CPU cannot run, and
+which GPU and TPU run synchronously as a future) would send only the routed
+rows; it would replace this class (and the layout's slot assignment with
+per-destination offsets) on the backends that run it asynchronously,
+behind the same `start(buffer).done()` interface.
 """
 
 from __future__ import annotations
