@@ -54,7 +54,7 @@ class _Lifted:
       closed = jax.make_jaxpr(flat)(*leaves)
     except Exception as e:  # noqa: BLE001 - re-raised naming the argument
       raise ValueError(
-          f"fsdp_scan({role}=...) fails on {_say_types(x)} "
+          f"fsdp_scan({role}=...) fails on {_say_types(_ROLE_ARG[role], x)} "
           f"({type(e).__name__}: {e}). {_ROLE_INPUT[role]}") from e
     self.out_tree = out_tree[0]
     self.out_avals = jax.tree.unflatten(self.out_tree, closed.out_avals)
@@ -82,11 +82,14 @@ _ROLE_INPUT = {
 }
 
 
-def _say_types(tree) -> str:
+_ROLE_ARG = {"before": "x", "after": "y"}
+
+
+def _say_types(name, tree) -> str:
   def one(v):
     aval = v if isinstance(v, jax_core.AbstractValue) else jax.typeof(v)
     return aval.str_short() if hasattr(aval, "str_short") else str(aval)
-  return "x: " + ", ".join(
+  return f"{name}: " + ", ".join(
       f"{jax.tree_util.keystr(k) or '.'} {one(v)}"
       for k, v in jax.tree_util.tree_leaves_with_path(tree))
 
