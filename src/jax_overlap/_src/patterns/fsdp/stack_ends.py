@@ -30,6 +30,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
@@ -70,8 +71,33 @@ class _Lifted:
     values = list(self.consts)
     for k, c in zip(self.traced, lifted, strict=True):
       values[k] = c
-    out = jax_core.eval_jaxpr(self.jaxpr, values, *jax.tree.leaves(x))
+    out = _eval_with_varying_consts(self.jaxpr, values, jax.tree.leaves(x))
     return jax.tree.unflatten(self.out_tree, out)
+
+
+def _eval_with_varying_consts(jaxpr, consts, args) -> list:
+  """`jax_core.eval_jaxpr`, where a const may come typed varying over more
+  mesh axes than it was traced with (`_varying_like_outputs`): a `pvary` of
+  it to axes it varies over already is left out (pvary is the identity on
+  values; jax refuses it on a value already varying)."""
+  env = {}
+  read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
+  for v, a in zip(jaxpr.constvars, consts):
+    env[v] = a
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive.name == "pvary" and len(invals) == 1:
+      have = _compat.varying_axes(invals[0]) or frozenset()
+      axes = tuple(a for a in eqn.params["axes"] if a not in have)
+      outs = [invals[0] if not axes else
+              jax.lax.pcast(invals[0], axes, to="varying")]
+    else:
+      outs = _compat.bind_eqn(eqn, invals)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
 
 
 _ROLE_INPUT = {
@@ -159,8 +185,19 @@ class StackEnds:
 
   def run_input(self, x, hoisted):
     self.hoisted = bool(hoisted)
-    return (x, list(hoisted), self.before.lifted_consts(),
-            [] if self.after is None else self.after.lifted_consts())
+    typed = {}   # id -> the const typed as varying (one per traced value)
+    consts = lambda ends: [] if ends is None else [
+        _varying_like_outputs(c, ends.out_avals, typed)
+        for c in ends.lifted_consts()]
+    run = (x, list(hoisted), consts(self.before), consts(self.after))
+    try:   # (a pvary nested in a call inside before/after refuses them)
+      jax.eval_shape(lambda run, y: (
+          self.before.call(run[2], run[0]),
+          self.after and self.after.call(run[3], y)), run, self.stack_input)
+    except Exception:  # noqa: BLE001 - the consts as they are then
+      return (x, list(hoisted), self.before.lifted_consts(),
+              [] if self.after is None else self.after.lifted_consts())
+    return run
 
   # --- forward -----------------------------------------------------------
 
@@ -219,6 +256,34 @@ class StackEnds:
       bars, _, g0 = transfer.step(lambda: pull_before(h_bar), scatter=g0)
     x_bar, consts_bar = pull_before.complete(bars)
     return (x_bar, list(hoisted_bar), consts_bar, after_bar), g0
+
+
+def _varying_like_outputs(c, out_avals, typed: dict):
+  """`c` (a value `before` or `after` closes over) typed as varying over
+  the mesh axes every output of the function varies over (inside shard_map).
+
+  Why: a replicated value (the embedding table, `P()`) used with per-device
+  data is cast to varying inside the function, and the transpose of that
+  cast is an all-reduce of its gradient, which would then run inside the
+  window of the stack's last reduce-scatter (or the backward's first
+  gather), blocking, queued behind it on the link. Cast here, outside the
+  stack's VJP, the all-reduce is jax's, after the VJP's backward. The same
+  function either way: every path from `c` to an output varying over an
+  axis passes through such a cast (the transpose sums their cotangents).
+  A value used once in `before` and once in `after` is cast once, so its
+  gradient is all-reduced once."""
+  if not (hasattr(c, "dtype") and differentiable(c)):
+    return c
+  if id(c) in typed:
+    return typed[id(c)]
+  outs = [_compat.varying_axes(a) for a in jax.tree.leaves(out_avals)]
+  mine = _compat.varying_axes(c)
+  if not outs or mine is None or any(o is None for o in outs):
+    typed[id(c)] = c   # no vma tracking (explicit mesh, check_vma=False)
+    return c
+  missing = tuple(sorted(frozenset.intersection(*outs) - mine))
+  typed[id(c)] = lax.pcast(c, missing, to="varying") if missing else c
+  return typed[id(c)]
 
 
 class NoEnds:
