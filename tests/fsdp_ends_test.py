@@ -183,3 +183,10 @@ def test_every_window_has_compute_with_the_ends():
   # window, where they would queue behind the collective in flight.
   assert not any(p.startswith("psum") for _, prims in with_ends
                  for p in prims), with_ends
+
+
+def test_the_docstring_examples_run():
+  import doctest  # noqa: PLC0415
+  from jax_overlap._src.patterns.fsdp import scan  # noqa: PLC0415
+  result = doctest.testmod(scan, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted >= 8 and not result.failed, result

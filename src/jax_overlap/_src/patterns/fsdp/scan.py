@@ -152,6 +152,20 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     >>> x, ws = jnp.ones((4, 8)), jnp.full((3, 8, 8), 0.1)   # 3 layers
     >>> model(x, ws).shape
     (4, 8)
+
+    With the embedding run before the stack and the loss after it (their
+    backward passes hide the first and last transfers of the step):
+
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P(), P(None, "d"), P("d")),
+    ...                out_specs=P())
+    ... def loss(table, ws, tokens):
+    ...   return jax.lax.pmean(fsdp_scan(
+    ...       layer, tokens, ws, axis="d", before=lambda t: table[t],
+    ...       after=lambda y: jnp.mean(y ** 2)), "d")
+    >>> table, tokens = jnp.ones((5, 8)), jnp.arange(4) % 5
+    >>> [g.shape for g in jax.grad(loss, argnums=(0, 1))(table, ws, tokens)]
+    [(5, 8), (3, 8, 8)]
   """
   if not callable(layer):
     raise TypeError(f"fsdp_scan(layer=...) must be a function "
