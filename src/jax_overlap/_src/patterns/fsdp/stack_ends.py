@@ -231,9 +231,8 @@ class StackEnds:
     """after's backward with the last layer's gather in flight. Returns
     `(carry cotangent, the last layer's weights, after's consts' cotangent)`."""
     _, pull_after, hoisted = saved
-    if pull_after is None:
-      y_bar, w, _ = out_bar, transfer.gather_now(last_shards), None
-      consts_bar = []
+    if pull_after is None:   # no `after`: nothing to hide the gather behind
+      y_bar, w, consts_bar = out_bar, transfer.gather_now(last_shards), []
     else:
       bars, w, _ = transfer.step(lambda: pull_after(out_bar),
                                  gather=last_shards)
