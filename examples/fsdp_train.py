@@ -1,9 +1,14 @@
-"""Train a small residual MLP stack with FSDP weight prefetch (`fsdp_scan`).
+"""Train a small token classifier: an embedding, a residual MLP stack with
+FSDP weight prefetch (`fsdp_scan`), and a head.
 
 Eight virtual CPU devices; the weights of each of 6 layers are sharded over
 them, gathered one layer ahead while the previous layer computes, and their
-gradients reduce-scattered one layer behind. optax AdamW updates the sharded
-weights in place. The task: fit a fixed random teacher network.
+gradients reduce-scattered one layer behind. The embedding and the head run
+inside the same call (`before=`, `after=`): layer 0's gather is in flight
+while the tokens are embedded, the last layer's regather while the head's
+backward runs, and layer 0's reduce-scatter while the embedding's backward
+runs, so no pass starts or ends waiting. optax AdamW updates the sharded
+weights in place. The task: fit a fixed random teacher network's labels.
 
   python examples/fsdp_train.py [--steps 200] [--layers 6]
 """
@@ -25,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jax_overlap import fsdp_scan  # noqa: E402
 
-D, H, BATCH = 32, 128, 64
+VOCAB, CLASSES, D, H, BATCH = 64, 8, 32, 128, 64
 
 
 def layer(x, w):
@@ -34,10 +39,18 @@ def layer(x, w):
 
 
 def init(key, n_layers):
-  k1, k2 = jax.random.split(key)
-  return {"w_in": jax.random.normal(k1, (n_layers, D, H)) / jnp.sqrt(D),
-          "b_in": jnp.zeros((n_layers, H)),
-          "w_out": jax.random.normal(k2, (n_layers, H, D)) * 0.1 / jnp.sqrt(H)}
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  return {"embed": jax.random.normal(k3, (VOCAB, D)),
+          "blocks": {
+              "w_in": jax.random.normal(k1, (n_layers, D, H)) / jnp.sqrt(D),
+              "b_in": jnp.zeros((n_layers, H)),
+              "w_out": jax.random.normal(k2, (n_layers, H, D)) * 0.1 / jnp.sqrt(H)},
+          "head": jax.random.normal(k4, (D, CLASSES)) / jnp.sqrt(D)}
+
+
+def cross_entropy(logits, labels):
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
 
 
 def main():
@@ -47,24 +60,32 @@ def main():
   args = parser.parse_args()
 
   mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-  # Every weight sharded over its first dimension after the layer dimension.
-  specs = {"w_in": P(None, "d"), "b_in": P(None, "d"), "w_out": P(None, "d")}
+  # The blocks' weights sharded over their first dimension after the layer
+  # dimension; the embedding and the head replicated.
+  specs = {"embed": P(), "head": P(),
+           "blocks": {"w_in": P(None, "d"), "b_in": P(None, "d"),
+                      "w_out": P(None, "d")}}
   params = jax.device_put(init(jax.random.PRNGKey(0), args.layers),
                           jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
   teacher = init(jax.random.PRNGKey(1), 2)
 
   @jax.shard_map(mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P())
-  def loss_fn(params, x, y):
-    pred = fsdp_scan(layer, x, params, axis="d")   # params: this device's shards
-    return jax.lax.pmean(jnp.mean((pred - y) ** 2), "d")
+  def loss_fn(params, tokens, labels):
+    loss = fsdp_scan(   # params["blocks"]: this device's shards
+        layer, tokens, params["blocks"], axis="d",
+        before=lambda tokens: params["embed"][tokens],
+        after=lambda h: cross_entropy(h @ params["head"], labels))
+    return jax.lax.pmean(loss, "d")
 
   opt = optax.adamw(3e-3, weight_decay=1e-4)
 
   @jax.jit
   def train_step(params, opt_state, key):
-    x = jax.random.normal(key, (BATCH, D))
-    y = jax.lax.scan(lambda h, w: (layer(h, w), None), x, teacher)[0]
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    tokens = jax.random.randint(key, (BATCH,), 0, VOCAB)
+    h = jax.lax.scan(lambda h, w: (layer(h, w), None),
+                     teacher["embed"][tokens], teacher["blocks"])[0]
+    labels = jnp.argmax(h @ teacher["head"], axis=-1)
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -78,7 +99,7 @@ def main():
       print(f"step {step + 1:4d}  loss {float(loss):.5f}")
   elapsed = time.perf_counter() - t0
   print(f"{args.steps} steps in {elapsed:.1f} s; the weights stayed sharded: "
-        f"{params['w_in'].sharding.spec}")
+        f"{params['blocks']['w_in'].sharding.spec}")
 
 
 if __name__ == "__main__":

@@ -299,6 +299,23 @@ MISUSES = [
                   in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
      NameError, r"fsdp_scan\(replica_axis='r'\): no mesh axis named 'r' here: "
      r"the enclosing jax\.shard_map binds \('i',\)"),
+    ("fsdp-before", "before=42 (not a function)",
+     lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
+                          before=42),
+     TypeError, r"fsdp_scan\(before=\.\.\.\) must be a function or None, got "
+     r"42\. It is called as before\(x\) on fsdp_scan's x"),
+    ("fsdp-before-fails", "a before that fails on fsdp_scan's x",
+     lambda: smap(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w, axis="i",
+                                            before=lambda t: t @ jnp.ones((3, 4))),
+                  in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     ValueError, r"fsdp_scan\(before=\.\.\.\) fails on x: \. float32\[4,4\].* "
+     r"\(TypeError: dot_general requires contracting dimensions"),
+    ("fsdp-after-fails", "an after that fails on the last layer's output",
+     lambda: smap(lambda x, w: jo.fsdp_scan(lambda x, w: x @ w, x, w, axis="i",
+                                            after=lambda y: y @ jnp.ones((3, 4))),
+                  in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
+     ValueError, r"fsdp_scan\(after=\.\.\.\) fails on y: \. float32\[4,4\].*"
+     r"It is called as after\(y\) on the last layer's output y"),
     # --- collective matmul -------------------------------------------------------------
     ("matmul-axis", "all_gather_matmul over an unbound axis",
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "j"))(X),

@@ -157,6 +157,25 @@ def fsdp_program(t, grad, bucket=False):
   return f, (arg(t, (64, 16), P("x")), {"a": w, "b": w})
 
 
+def fsdp_ends_program(t, ends):
+  """fsdp_program's stack (one bucket a layer) with an input projection
+  before it and a head after it, value_and_grad of all three: in
+  fsdp_scan(before=, after=) (`ends`), or written around the call."""
+  def loss(x, ps, emb, head):
+    if ends:
+      return jax_overlap.fsdp_scan(
+          _layer, x, ps, axis="x", before=lambda x: jnp.tanh(x @ emb),
+          after=lambda h: jnp.tanh(h @ head).sum())[None]
+    h = jax_overlap.fsdp_scan(_layer, jnp.tanh(x @ emb), ps, axis="x")
+    return jnp.tanh(h @ head).sum()[None]
+  spec = {"a": P(None, "x"), "b": P(None, "x")}
+  fwd = _smap(t, loss, (P("x"), spec, P(), P()))
+  f = jax.value_and_grad(lambda *a: fwd(*a).sum(), argnums=(1, 2, 3))
+  w = arg(t, (LAYERS, 16, 16), P(None, "x"))
+  return f, (arg(t, (64, 16), P("x")), {"a": w, "b": w}, arg(t, (16, 16)),
+             arg(t, (16, 16)))
+
+
 def collective_matmul_program(t, which, grad):
   if which == "all_gather_matmul":
     body = lambda x, w: jax_overlap.all_gather_matmul(x, w, "x")
@@ -224,7 +243,8 @@ def _compile(name, case, *extra):
 
 PROGRAMS = {"future": future_program, "fsdp": fsdp_program,
             "fsdp_explicit": fsdp_explicit_program, "dp_tp": dp_tp_program,
-            "collective_matmul": collective_matmul_program}
+            "collective_matmul": collective_matmul_program,
+            "fsdp_ends": fsdp_ends_program}
 EXPLICIT_PROGRAMS = {"fsdp_explicit"}
 
 
@@ -445,6 +465,38 @@ def test_fsdp_scan_buckets_keep_their_windows_on_h100():
   assert sum(w.matmuls >= 1 for w in gathers) >= 2 * (LAYERS - 1), gathers
   assert sum(w.matmuls >= 1 for w in scatters) >= LAYERS - 1, scatters
   assert not warned, warned
+
+
+def _computes(instr) -> bool:
+  # A matmul, also where GPU fused it with a transpose and named the fusion
+  # after that (op_name ".../transpose", fusion "gemm_fusion_transpose").
+  return instr.is_matmul or "gemm" in instr.name
+
+
+@needs_pairs
+@pytest.mark.parametrize("name", ["gpu_h100", "tpu_v5e"])
+def test_fsdp_scan_ends_hide_the_first_gather_and_the_last_reduce_scatter(name):
+  # fsdp_scan(before=, after=): every gather of both passes (the first
+  # behind the input projection, the backward's first behind the head's
+  # backward) and every reduce-scatter, the last behind the projection's
+  # backward, has a matmul in flight (v5e: the TPU form, an all-to-all).
+  # Written around the call instead, the last one has none (measured,
+  # jax 0.12.0.1, libtpu 0.0.52: H100 compiles it synchronous, v5e with
+  # nothing in its window).
+  scatter = "all-to-all" if name.startswith("tpu") else "reduce-scatter"
+  last = {}
+  for ends in (False, True):
+    text, warned = _compiled(name, "fsdp_ends", ends)
+    gathers = _async(text, "all-gather")
+    scatters = sorted(_async(text, scatter), key=lambda w: w.done)
+    last[ends] = sum(map(_computes, scatters[-1].between)) \
+        if len(scatters) == LAYERS else 0
+    assert not warned, warned
+  assert len(gathers) == 2 * LAYERS, gathers
+  assert all(any(map(_computes, w.between)) for w in gathers), gathers
+  assert len(scatters) == LAYERS, scatters
+  assert all(any(map(_computes, w.between)) for w in scatters), scatters
+  assert last == {False: 0, True: last[True]} and last[True] >= 1, last
 
 
 @needs_pairs

@@ -623,7 +623,8 @@ def varying_axes(x) -> frozenset | None:
   from jax._src import config as _config
   if not _config._check_vma.value:
     return None
-  aval = jax.typeof(x)
+  # (x may be a type already: what a function traced on types returned)
+  aval = x if isinstance(x, core.AbstractValue) else jax.typeof(x)
   mat = getattr(aval, "mat", None)   # 0.10.2 - 0.12: aval.mat.varying
   vma = getattr(mat, "varying", None) if mat is not None else None
   if vma is None:

@@ -69,11 +69,20 @@ def block(cfg: Config):
   return apply
 
 
+def embed(params: dict, tokens):
+  """What runs before the stack: the token embedding."""
+  return params["embed"][tokens]
+
+
+def head(params: dict, x):
+  """What runs after it: the final norm and the (tied) output projection."""
+  return _norm(x, params["final_norm"]) @ params["embed"].T
+
+
 def logits(cfg: Config, params: dict, tokens, run_blocks):
   """Token logits; `run_blocks(block, x, blocks) -> x` runs the stack."""
-  x = params["embed"][tokens]
-  x = run_blocks(block(cfg), x, params["blocks"])
-  return _norm(x, params["final_norm"]) @ params["embed"].T
+  x = run_blocks(block(cfg), embed(params, tokens), params["blocks"])
+  return head(params, x)
 
 
 def cross_entropy(logits_, targets):

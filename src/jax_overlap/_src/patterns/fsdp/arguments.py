@@ -55,7 +55,9 @@ def traced_layer(layer, x, transfer, shards, n_layers):
   w_avals = jax.make_jaxpr(transfer.gather_now)(shards).out_avals
   w_avals = jax.tree.unflatten(jax.tree.structure(shards), w_avals)
   x_leaves, x_tree = jax.tree.flatten(x)
-  x_avals = [jax.typeof(v) for v in x_leaves]
+  # (x may be types already: the output types of fsdp_scan's `before`)
+  x_avals = [v if isinstance(v, jax_core.AbstractValue) else jax.typeof(v)
+             for v in x_leaves]
   try:
     closed, out_tree = trace_layer(
         layer, jax.tree.unflatten(x_tree, x_avals), w_avals)

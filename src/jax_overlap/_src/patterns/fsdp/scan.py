@@ -18,6 +18,8 @@ from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          float0_zeros,
                                                          with_layer_inputs)
 from jax_overlap._src.patterns.fsdp.precision import Precision
+from jax_overlap._src.patterns.fsdp.stack_ends import (NO_ENDS, StackEnds,
+                                                       check_end, saved_of)
 from jax_overlap._src.patterns.fsdp.transfer import ReshardTransfer
 from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 
@@ -25,7 +27,8 @@ from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               shard_dims=None, unroll: int = 2, remat_policy=None,
               xs=None, param_dtype=None, reduce_dtype=None,
-              bucket: bool = True, replica_axis=None):
+              bucket: bool = True, replica_axis=None, before=None,
+              after=None):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -118,8 +121,19 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       axis is checked and XLA's partitioner makes that all-reduce (shard
       the batch over both axes).
 
+    before: a function run before the stack, `before(x)` -> the first
+      layer's input (the embedding), while layer 0's gather is in flight;
+      in the backward pass its backward runs while layer 0's gradient is
+      reduce-scattered (the last reduce-scatter, which has nothing else to
+      hide behind). It may close over traced values (the embedding table):
+      their gradients flow.
+    after: a function run after the stack, `after(y)` on the last layer's
+      output (the head, the loss); in the backward pass its backward runs
+      while the last layer's weights are gathered again. fsdp_scan then
+      returns `after(y)`. See `stack_ends.py` for the schedule.
+
   Returns:
-    The output of the last layer. Its gradients with respect to `params` come
+    The output of the last layer (with `after`: `after` of it). Its gradients with respect to `params` come
     back sharded exactly like `params`.
 
   Example:
@@ -138,6 +152,20 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     >>> x, ws = jnp.ones((4, 8)), jnp.full((3, 8, 8), 0.1)   # 3 layers
     >>> model(x, ws).shape
     (4, 8)
+
+    With the embedding run before the stack and the loss after it (their
+    backward passes hide the first and last transfers of the step):
+
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P(), P(None, "d"), P("d")),
+    ...                out_specs=P())
+    ... def loss(table, ws, tokens):
+    ...   return jax.lax.pmean(fsdp_scan(
+    ...       layer, tokens, ws, axis="d", before=lambda t: table[t],
+    ...       after=lambda y: jnp.mean(y ** 2)), "d")
+    >>> table, tokens = jnp.ones((5, 8)), jnp.arange(4) % 5
+    >>> [g.shape for g in jax.grad(loss, argnums=(0, 1))(table, ws, tokens)]
+    [(5, 8), (3, 8, 8)]
   """
   if not callable(layer):
     raise TypeError(f"fsdp_scan(layer=...) must be a function "
@@ -149,9 +177,14 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     raise TypeError(f"fsdp_scan(bucket=...) must be True or False, got "
                     f"{bucket!r}.")
   precision = Precision(param_dtype, reduce_dtype)
+  check_end(before, "before")
+  check_end(after, "after")
   n_layers = count_layers(params)
   if xs is not None:
     check_xs(xs, n_layers)
+  ends = None if before is None and after is None else \
+      StackEnds(before, after, x)
+  x_in, x = x, (x if ends is None else ends.stack_input)
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
                              replica_axis)
   if isinstance(transfer, ReshardTransfer):
@@ -163,6 +196,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     layer, transfer = with_layer_inputs(layer), PairTransfer(transfer)
     params = (params, xs)
   layer, hoisted = traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
+  if ends is not None:
+    return _fsdp_scan(layer, ends.run_input(x_in, hoisted), params, n_layers,
+                      transfer, unroll, remat_policy, ends)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
     # they ride along in the carry, so their gradients flow like x's.
@@ -172,7 +208,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   return _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy)
 
 
-def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
+def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
+               ends=NO_ENDS):
   x_avals = []   # x's types as one layer sees them (for the backward's trace)
 
   def forward(x, params, save: bool):
@@ -188,11 +225,13 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
                                             gather=_layer(params, i))
       return (x, w_next), saved
 
-    first = transfer.gather_now(_layer(params, 0))
+    x_run = x   # with ends: (x, hoisted, before's and after's consts)
+    x, first, entered = ends.enter(transfer, x_run, _layer(params, 0), save)
     (x, w_last), saved = _scan_remainder_first(
         body, (x, first), jnp.arange(1, n_layers), unroll)
     (x, saved_last), _, _ = transfer.step(lambda: run_layer(x, w_last))
-    return x, (saved, saved_last)
+    x, left = ends.leave(x, x_run, save)
+    return x, (saved, saved_last, saved_of(ends, entered, left, x_run))
 
   @jax.custom_vjp
   def run(x, params):
@@ -204,7 +243,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
 
   def run_bwd(residuals, y_bar):
     # `saved` holds the pullbacks of layers 0 .. n-2, `saved_last` layer n-1's.
-    (saved, saved_last), params = residuals
+    (saved, saved_last, ends_saved), params = residuals
     backward = lambda pullback, w, y_bar: _layer_backward(
         layer, pullback, w, x_avals[0], y_bar)
     # Integer, boolean and key parts of xs have float0 cotangents: a scalar
@@ -216,10 +255,14 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
         lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0)
         if G.ndim else G, grads, g)
 
-    w = transfer.gather_now(_layer(params, n_layers - 1))
+    y_bar, w, after_bar = ends.leave_back(transfer, ends_saved, y_bar,
+                                          _layer(params, n_layers - 1))
+    scatter_first = lambda x_bar, g0: ends.enter_back(
+        transfer, ends_saved, after_bar, x_bar, g0)
     if n_layers == 1:
       x_bar, g = backward(saved_last, w, y_bar)
-      grads = put(grads, transfer.scatter_now(g), 0)
+      x_bar, g = scatter_first(x_bar, g)
+      grads = put(grads, g, 0)
       return x_bar, jax.tree.map(
           lambda G, p: G if differentiable(p) else float0_zeros(p), grads,
           params)
@@ -229,7 +272,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
     if transfer.stages == 2:
       x_bar, grads = _hsdp_backward(transfer, backward, saved, saved_last,
                                     params, w, y_bar, grads, put, n_layers,
-                                    unroll)
+                                    unroll, scatter_first)
       return x_bar, finish(grads)
 
     (x_bar, pending), w, _ = transfer.step(
@@ -248,7 +291,8 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
         unroll)
     (x_bar, g0), _, g1 = transfer.step(
         lambda: backward(_layer(saved, 0), w, x_bar), scatter=pending)
-    grads = put(put(grads, g1, 1), transfer.scatter_now(g0), 0)
+    x_bar, g0 = scatter_first(x_bar, g0)
+    grads = put(put(grads, g1, 1), g0, 0)
     return x_bar, jax.tree.map(
         lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
 
@@ -257,7 +301,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
 
 
 def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
-                   grads, put, n_layers, unroll):
+                   grads, put, n_layers, unroll, scatter_first):
   """The backward pass with a second stage (HSDP): layer i's step prefetches
   layer i-1, reduce-scatters layer i+1's gradient over the fsdp axis and
   all-reduces layer i+2's (reduce-scattered a step before) over the
@@ -268,9 +312,9 @@ def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
   if n_layers == 2:
     (x_bar, g0), _, s1, _ = transfer.step2(
         lambda: backward(_layer(saved, 0), w, x_bar), scatter=g)
-    grads = put(put(grads, transfer.reduce_now(s1), 1),
-                transfer.scatter_now(g0), 0)
-    return x_bar, grads
+    grads = put(grads, transfer.reduce_now(s1), 1)
+    x_bar, g0 = scatter_first(x_bar, g0)
+    return x_bar, put(grads, g0, 0)
   # Layer n-2: nothing scattered yet to all-reduce.
   (x_bar, g_next), w, s, _ = transfer.step2(
       lambda: backward(_layer(saved, n_layers - 2), w, x_bar),
@@ -288,9 +332,9 @@ def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
       unroll)
   (x_bar, g0), _, s1, done2 = transfer.step2(
       lambda: backward(_layer(saved, 0), w, x_bar), scatter=g, reduce=s)
-  grads = put(put(put(grads, done2, 2), transfer.reduce_now(s1), 1),
-              transfer.scatter_now(g0), 0)
-  return x_bar, grads
+  grads = put(put(grads, done2, 2), transfer.reduce_now(s1), 1)
+  x_bar, g0 = scatter_first(x_bar, g0)
+  return x_bar, put(grads, g0, 0)
 
 
 def _scan_remainder_first(body, carry, xs, unroll: int):

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import (all_gather_start, program_order, psum_scatter_start,
@@ -277,7 +278,7 @@ class ReshardTransfer:
     reduce-scattered). Tried all leaves at once, else one leaf at a time.
     """
     batch = frozenset(a for leaf in jax.tree.leaves(x)
-                      for e in getattr(getattr(jax.typeof(leaf), "sharding",
+                      for e in getattr(getattr(_type(leaf), "sharding",
                                                None), "spec", ()) or ()
                       for a in _names(e))
 
@@ -363,6 +364,11 @@ class _Pending:
       out = [self.post(a) if moved else a
              for a, moved in zip(out, self.sharded, strict=True)]
     return jax.tree.unflatten(self.treedef, out)
+
+
+def _type(v):
+  # x may be types already (the output types of fsdp_scan's `before`)
+  return v if isinstance(v, jax_core.AbstractValue) else jax.typeof(v)
 
 
 def _bucket_name(leaves, bucket) -> str:
