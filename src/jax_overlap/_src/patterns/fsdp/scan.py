@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
@@ -17,15 +18,20 @@ from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          differentiable,
                                                          float0_zeros,
                                                          with_layer_inputs)
+from jax_overlap._src.patterns.fsdp import pipelined
+from jax_overlap._src.patterns.fsdp.memory_knobs import (kept_layers,
+                                                         prefetch_depth)
 from jax_overlap._src.patterns.fsdp.precision import Precision
-from jax_overlap._src.patterns.fsdp.transfer import ReshardTransfer
+from jax_overlap._src.patterns.fsdp.transfer import (ReshardTransfer,
+                                                     ShardMapTransfer)
 from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 
 
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               shard_dims=None, unroll: int = 2, remat_policy=None,
               xs=None, param_dtype=None, reduce_dtype=None,
-              bucket: bool = True, replica_axis=None):
+              bucket: bool = True, replica_axis=None,
+              reshard_after_forward: bool | int = True, prefetch: int = 1):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -150,6 +156,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
                     f"{bucket!r}.")
   precision = Precision(param_dtype, reduce_dtype)
   n_layers = count_layers(params)
+  kept = kept_layers(reshard_after_forward, n_layers)
+  depth = prefetch_depth(prefetch, n_layers)
   if xs is not None:
     check_xs(xs, n_layers)
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
@@ -163,13 +171,19 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     layer, transfer = with_layer_inputs(layer), PairTransfer(transfer)
     params = (params, xs)
   layer, hoisted = traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
+  schedule = _fsdp_scan
+  if kept or depth > 1:   # layers keep their weights, or deeper prefetch
+    if kept and not isinstance(getattr(transfer, "inner", transfer),
+                               ShardMapTransfer):
+      unroll = _compat.unroll_saving_reduced(unroll)
+    schedule = lambda *a: pipelined.run(*a, kept=kept, prefetch=depth)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
     # they ride along in the carry, so their gradients flow like x's.
-    y, _ = _fsdp_scan(layer, (x, hoisted), params, n_layers, transfer,
-                      unroll, remat_policy)
+    y, _ = schedule(layer, (x, hoisted), params, n_layers, transfer,
+                    unroll, remat_policy)
     return y
-  return _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy)
+  return schedule(layer, x, params, n_layers, transfer, unroll, remat_policy)
 
 
 def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
