@@ -283,6 +283,18 @@ MISUSES = [
                   in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
      NameError, r"fsdp_scan\(replica_axis='r'\): no mesh axis named 'r' here: "
      r"the enclosing jax\.shard_map binds \('i',\)"),
+    ("fsdp-reshard-after-forward", "reshard_after_forward=3 with 2 layers",
+     lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
+                          reshard_after_forward=3),
+     ValueError, r"fsdp_scan\(reshard_after_forward=\.\.\.\) must be True "
+     r"\(regather every layer in the backward pass\), False \(keep every "
+     r"gathered layer\) or an int from 0 to the number of layers \(2 here\).*"
+     r"got 3\."),
+    ("fsdp-prefetch", "prefetch=0",
+     lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
+                          prefetch=0),
+     ValueError, r"fsdp_scan\(prefetch=\.\.\.\) must be an int >= 1, how many "
+     r"layers ahead of its use each weight gather starts .*got 0\."),
     # --- collective matmul -------------------------------------------------------------
     ("matmul-axis", "all_gather_matmul over an unbound axis",
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "j"))(X),

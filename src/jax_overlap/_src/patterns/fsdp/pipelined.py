@@ -150,7 +150,11 @@ def run(layer, x, params, n_layers, transfer, unroll, remat_policy, *,
 
   def run_bwd(residuals, y_bar):
     pieces, params_ = residuals
-    assert params_ is not None
+    # The backward pass reads the stack through a barrier: else a regather
+    # can be the very op of a forward gather (same layer, same operand) and
+    # XLA merges the two starts, which have two dones (the H100 compiler's
+    # verifier refused 6 layers with prefetch=3 so).
+    params_ = lax.optimization_barrier(params_)
     backward = lambda pullback, w, y_bar: _scan._layer_backward(
         layer, pullback, w, x_avals[0], y_bar)
     grads = jax.tree.map(

@@ -171,8 +171,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     layer, transfer = with_layer_inputs(layer), PairTransfer(transfer)
     params = (params, xs)
   layer, hoisted = traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
-  schedule = _fsdp_scan
-  if kept or depth > 1:   # layers keep their weights, or deeper prefetch
+  schedule = lambda *a: _fsdp_scan(*a, keep_last=kept == 1)
+  if kept > 1 or depth > 1:   # more layers keep their weights, or deeper prefetch
     if kept and not isinstance(getattr(transfer, "inner", transfer),
                                ShardMapTransfer):
       unroll = _compat.unroll_saving_reduced(unroll)
@@ -186,7 +186,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   return schedule(layer, x, params, n_layers, transfer, unroll, remat_policy)
 
 
-def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
+def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
+               keep_last=False):
   x_avals = []   # x's types as one layer sees them (for the backward's trace)
 
   def forward(x, params, save: bool):
@@ -206,7 +207,9 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
     (x, w_last), saved = _scan_remainder_first(
         body, (x, first), jnp.arange(1, n_layers), unroll)
     (x, saved_last), _, _ = transfer.step(lambda: run_layer(x, w_last))
-    return x, (saved, saved_last)
+    # keep_last: the last layer's gathered weights are saved (the backward
+    # pass starts with it; reshard_after_forward=1, memory_knobs.py).
+    return x, (saved, saved_last, w_last if keep_last and save else None)
 
   @jax.custom_vjp
   def run(x, params):
@@ -218,7 +221,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
 
   def run_bwd(residuals, y_bar):
     # `saved` holds the pullbacks of layers 0 .. n-2, `saved_last` layer n-1's.
-    (saved, saved_last), params = residuals
+    (saved, saved_last, w_last), params = residuals
     backward = lambda pullback, w, y_bar: _layer_backward(
         layer, pullback, w, x_avals[0], y_bar)
     # Integer, boolean and key parts of xs have float0 cotangents: a scalar
@@ -230,7 +233,8 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy):
         lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0)
         if G.ndim else G, grads, g)
 
-    w = transfer.gather_now(_layer(params, n_layers - 1))
+    w = w_last if keep_last else transfer.gather_now(
+        _layer(params, n_layers - 1))
     if n_layers == 1:
       x_bar, g = backward(saved_last, w, y_bar)
       grads = put(grads, transfer.scatter_now(g), 0)
