@@ -496,9 +496,9 @@ def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
   assert prefetch_2 >= default + 0.9, (default, prefetch_2)
   if prefetch_2 > default + 1.1:
     pytest.xfail(f"prefetch=2 holds {prefetch_2 - default:.2f} more gathered "
-                 "layers, not 1 (where the rest goes is not found yet; the "
-                 "buffer of gathered layers rotates through the loop's "
-                 "carry, patterns/fsdp/pipelined.py); open (issue 20)")
+                 "layers, not 1 (bucket=False: 0.9; likely the first step's "
+                 "two bucketed gathers in flight at once, not confirmed); "
+                 "open (issue 20)")
 
 
 @needs_pairs
