@@ -11,6 +11,10 @@ checked at the call and read as two numbers.
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
+
 
 def kept_layers(reshard_after_forward, n_layers: int) -> int:
   """How many of the last layers keep their gathered weights (0 to n)."""
@@ -19,23 +23,24 @@ def kept_layers(reshard_after_forward, n_layers: int) -> int:
   if reshard_after_forward is False:
     return n_layers
   value = reshard_after_forward
-  if not isinstance(value, int) or not 0 <= value <= n_layers:
+  if isinstance(value, np.bool_) or not isinstance(value, numbers.Integral) \
+      or not 0 <= value <= n_layers:
     raise ValueError(
         f"fsdp_scan(reshard_after_forward=...) must be True (regather every "
         f"layer in the backward pass), False (keep every gathered layer) or "
         f"an int from 0 to the number of layers ({n_layers} here): how many "
         f"of the last layers keep their gathered weights; got {value!r}.")
-  return value
+  return int(value)
 
 
 def prefetch_depth(prefetch, n_layers: int) -> int:
   """How many layers ahead a gather starts (at least 1; more than the layers
   there are to gather is the same as all of them)."""
-  if isinstance(prefetch, bool) or not isinstance(prefetch, int) \
-      or prefetch < 1:
+  if isinstance(prefetch, (bool, np.bool_)) \
+      or not isinstance(prefetch, numbers.Integral) or prefetch < 1:
     raise ValueError(
         f"fsdp_scan(prefetch=...) must be an int >= 1, how many layers ahead "
         f"of its use each weight gather starts (1: the next layer's gather "
         f"runs behind this layer; each more holds one more gathered layer); "
         f"got {prefetch!r}.")
-  return max(1, min(prefetch, n_layers - 1))
+  return max(1, min(int(prefetch), n_layers - 1))
