@@ -40,9 +40,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   buffering). In the backward pass the gather of layer i-1 and the
   reduce-scatter of layer i+1's weight gradient are in flight while layer i's
   backward computes. Every step is fenced with `program_order`, so XLA cannot
-  undo the overlap. Gathered weights are never saved for the backward pass
+  undo the overlap. Gathered weights are not saved for the backward pass
   (nor values computed from them alone, such as a cast): the residuals are
-  activations only, and the backward pass gathers the weights again.
+  activations only, and the backward pass gathers the weights again, except
+  for the last layers `reshard_after_forward` keeps.
 
   Two contexts, one function:
 
