@@ -41,6 +41,12 @@ SETTINGS = {
     "param_dtype=bfloat16": dict(param_dtype=jnp.bfloat16),
     "param_dtype=bfloat16, reduce_dtype=float32":
         dict(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
+    "reshard_after_forward=1": dict(reshard_after_forward=1),
+    "reshard_after_forward=2": dict(reshard_after_forward=2),
+    "reshard_after_forward=False": dict(reshard_after_forward=False),
+    "prefetch=2": dict(prefetch=2),
+    "reshard_after_forward=1, prefetch=2":
+        dict(reshard_after_forward=1, prefetch=2),
 }
 
 
@@ -81,12 +87,13 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--hardware", default="h100")
   parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--only", default=None,
-                      help="run only the settings whose name holds this")
+  parser.add_argument("--only", nargs="*", default=None,
+                      help="run only the settings whose name holds one of "
+                           "these (names as printed; default all)")
   args = parser.parse_args()
   print(f"demo step, {args.layers} blocks, modelled on {args.hardware}")
   for name, kwargs in SETTINGS.items():
-    if args.only and args.only not in name:
+    if args.only is not None and not any(o in name for o in args.only):
       continue
     t, temp = measure(kwargs, args.layers, args.hardware)
     print(f"{name:40s} exposed {t['exposed_s'] * 1e6:7.1f} us of "

@@ -14,6 +14,15 @@ layer, a batch of 16), prints the compiled gradient step's
   and fsdp_scan with unroll 1 and 2, without and with `remat_policy`.
 
   python benchmarks/bench_fsdp_memory.py [--layers 8 16]
+
+With `--target gpu_h100` (or another of tests/aot/compilers.py's targets;
+run it with the real compilers' venv, .venv-aot) it prints instead the temp
+bytes of fsdp_scan's memory knobs (`reshard_after_forward`, `prefetch`)
+compiled ahead of time for that target: a 6-layer stack of two 256 x 256
+float32 weights a layer, in units of one gathered layer (512 KiB).
+
+  JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/bench_fsdp_memory.py \
+      --target gpu_h100
 """
 
 from __future__ import annotations
@@ -102,10 +111,62 @@ def figures(n_layers: int) -> dict[str, int]:
           for name, loss in losses(mesh, specs).items()}
 
 
+KNOBS = {   # setting: fsdp_scan keyword arguments
+    "reshard_after_forward=True, prefetch=1 (default)": {},
+    "reshard_after_forward=1": dict(reshard_after_forward=1),
+    "reshard_after_forward=2": dict(reshard_after_forward=2),
+    "reshard_after_forward=False": dict(reshard_after_forward=False),
+    "prefetch=2": dict(prefetch=2),
+    "prefetch=3": dict(prefetch=3),
+    "reshard_after_forward=1, prefetch=2":
+        dict(reshard_after_forward=1, prefetch=2),
+}
+
+
+def knob_figures(target_name: str, n_layers: int = 6, width: int = 256):
+  """setting -> temp bytes of the value_and_grad step compiled for
+  `target_name` by its own compiler (tests/aot/compilers.py)."""
+  import pathlib  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests" / "aot"))
+  import compilers  # noqa: PLC0415
+  t = compilers.target(target_name)
+
+  def layer(x, p):
+    return jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
+  spec = {"a": P(None, "x"), "b": P(None, "x")}
+  w = compilers.arg(t, (n_layers, width, width), P(None, "x"))
+  args = (compilers.arg(t, (8 * t.n, width), P("x")), {"a": w, "b": w})
+  out = {}
+  for name, kw in KNOBS.items():
+    def loss(x, ps, kw=kw):
+      return fsdp_scan(layer, x, ps, axis="x", **kw).sum()[None]
+    fwd = jax.shard_map(loss, mesh=t.mesh, in_specs=(P("x"), spec),
+                        out_specs=P("x"))
+    step = jax.value_and_grad(lambda x, ps: fwd(x, ps).sum(), argnums=1)
+    compiled = jax.jit(step).lower(*args).compile()
+    out[name] = compiled.memory_analysis().temp_size_in_bytes
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, nargs="+", default=[8, 16])
-  layers = parser.parse_args().layers
+  parser.add_argument("--target", default=None,
+                      help="a real compiler's target (e.g. gpu_h100): the "
+                      "memory knobs' temp bytes there")
+  parsed = parser.parse_args()
+  if parsed.target:
+    layer_bytes = 2 * 256 * 256 * 4
+    figures_ = knob_figures(parsed.target)
+    print(f"jax {jax.__version__}, {parsed.target}: temp bytes of the "
+          "gradient step, 6 layers (one gathered layer: 512 KiB)\n")
+    print("| setting | temp bytes | in gathered layers |")
+    print("|---|---|---|")
+    for name, temp in figures_.items():
+      print(f"| {name} | {temp / 2**20:.2f} MiB | {temp / layer_bytes:.2f} |")
+    return
+  layers = parsed.layers
   table = {n: figures(n) for n in layers}
   weight = 2 * 64 * 512 * 4
   print(f"jax {jax.__version__}; temp bytes of the gradient step per device "

@@ -20,7 +20,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 COLLECTIVE_FIELDS = [
     "kind", "start", "done", "computation", "where", "leaf", "thread", "link",
     "queued_behind", "async",
-    "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
+    "made_blocking", "bytes", "bytes_in_flight", "group_size", "overlapped",
+    "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags"]
 
 

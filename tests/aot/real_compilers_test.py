@@ -145,10 +145,11 @@ def _layer(x, p):
   return jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
 
 
-def fsdp_program(t, grad, bucket=False):
+def fsdp_program(t, grad, bucket=False, reshard=True, prefetch=1):
   def loss(x, ps):
-    return jax_overlap.fsdp_scan(_layer, x, ps, axis="x",
-                                 bucket=bucket).sum()[None]
+    return jax_overlap.fsdp_scan(_layer, x, ps, axis="x", bucket=bucket,
+                                 reshard_after_forward=reshard,
+                                 prefetch=prefetch).sum()[None]
   spec = {"a": P(None, "x"), "b": P(None, "x")}
   f = fwd = _smap(t, loss, (P("x"), spec))
   if grad:
@@ -497,6 +498,65 @@ def test_fsdp_scan_ends_hide_the_first_gather_and_the_last_reduce_scatter(name):
   assert len(scatters) == LAYERS, scatters
   assert all(any(map(_computes, w.between)) for w in scatters), scatters
   assert last == {False: 0, True: last[True]} and last[True] >= 1, last
+
+
+@needs_pairs
+@pytest.mark.parametrize("name,reshard,prefetch", [
+    ("gpu_h100", 1, 1), ("gpu_h100", False, 1), ("gpu_h100", True, 2),
+    ("tpu_v5e", 1, 2)])
+def test_fsdp_scan_memory_knobs_keep_their_windows(name, reshard, prefetch):
+  # reshard_after_forward / prefetch (buckets on): every forward gather but
+  # the first, and every backward regather (with none kept: all but the
+  # first), in flight across matmuls; on GPU every reduce-scatter but the
+  # last too. A kept layer is not regathered at all.
+  text, warned = _compiled(name, "fsdp", True, True, reshard, prefetch)
+  kept = 0 if reshard is True else LAYERS if reshard is False else reshard
+  gathers = _async(text, "all-gather")
+  regathers = LAYERS - kept - (1 if kept == 0 else 0)
+  assert sum(w.matmuls >= 1 for w in gathers) >= LAYERS - 1 + regathers, \
+      gathers
+  if name == "gpu_h100":
+    assert len(gathers) == 2 * LAYERS - kept, gathers
+    scatters = _async(text, "reduce-scatter")
+    assert sum(w.matmuls >= 1 for w in scatters) >= LAYERS - 1, scatters
+  assert not warned, warned
+
+
+@needs_pairs
+def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
+  # The compiled step's temp bytes (memory_analysis) on the H100 compiler,
+  # 6 layers of two 256 x 256 float32 weights (weights dominate), in units
+  # of one gathered layer: keeping the last layer is free (the backward
+  # pass holds its weights first anyway); prefetch=2 holds at least one
+  # more layer, prefetch=3 one more again. Measured 0.00, 1.60 and 1.50
+  # layers (jax 0.12.0.1).
+  t = target("gpu_h100")
+  n, width = 6, 256
+  w = arg(t, (n, width, width), P(None, "x"))
+  args = (arg(t, (8 * t.n, width), P("x")), {"a": w, "b": w})
+  spec = {"a": P(None, "x"), "b": P(None, "x")}
+
+  def temp(**kw):
+    def loss(x, ps):
+      return jax_overlap.fsdp_scan(_layer, x, ps, axis="x", **kw).sum()[None]
+    fwd = _smap(t, loss, (P("x"), spec))
+    step = jax.value_and_grad(lambda x, ps: fwd(x, ps).sum(), argnums=1)
+    compiled = jax.jit(step).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / (2 * width * width * 4)
+  default = temp()
+  keep_last, prefetch_2 = temp(reshard_after_forward=1), temp(prefetch=2)
+  # prefetch=3 here gathered layers 2 and 3 by the same op in both passes
+  # until the backward pass read the stack through a barrier: XLA merged
+  # the two starts, and the verifier refused one start with two dones.
+  prefetch_3 = temp(prefetch=3)
+  assert keep_last <= default + 0.1, (default, keep_last)
+  assert prefetch_2 >= default + 0.9, (default, prefetch_2)
+  assert prefetch_3 >= prefetch_2 + 0.9, (prefetch_2, prefetch_3)
+  if prefetch_2 > default + 1.1:
+    pytest.xfail(f"prefetch=2 holds {prefetch_2 - default:.2f} more gathered "
+                 "layers, not 1 (bucket=False: 0.9; likely the first step's "
+                 "two bucketed gathers in flight at once, not confirmed); "
+                 "open (issue 20)")
 
 
 @needs_pairs

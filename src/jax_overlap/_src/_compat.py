@@ -14,6 +14,8 @@ import threading
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 from jax._src import core
 from jax._src import source_info_util
@@ -758,4 +760,51 @@ def add_compile_retry_hook(hook: Callable) -> bool:
   if not getattr(compile_module, "_jax_overlap_retry_hooks", False):
     compiler.compile_or_get_cached = _with_retry_hooks(compile_module)
   _COMPILE_RETRY_HOOKS.append(hook)
+  return True
+
+
+
+def unroll_saving_reduced(unroll: int) -> int:
+  """`unroll` for a `lax.scan` whose stacked outputs are values resharded to
+  `P(reduced=...)` (fsdp_scan keeping gathered weights on an explicit mesh):
+  1 where this jax cannot lower such a scan unrolled, else `unroll`.
+
+  jax 0.10.2 lowers an unrolled scan's outputs through a reshape whose
+  sharding rule indexes the spec, which raises "Using pspec[...] is
+  dangerous when PartitionSpec has non-empty unreduced/reduced set"; 0.11
+  and later lower it. Found by lowering a two-layer probe once."""
+  return unroll if unroll == 1 or _unrolled_scan_saves_reduced() else 1
+
+
+@functools.cache
+def _unrolled_scan_saves_reduced() -> bool:
+  # On a thread of its own: jax's mesh and trace contexts are per thread,
+  # and the caller is tracing under its own mesh (which the probe's could
+  # not replace).
+  result = []
+  thread = threading.Thread(target=lambda: result.append(_probe_unrolled()))
+  thread.start()
+  thread.join()
+  if isinstance(result[0], BaseException):
+    raise result[0]
+  return result[0]
+
+
+def _probe_unrolled():
+  axis = "_jax_overlap_probe"
+  mesh = jax.sharding.AbstractMesh(
+      (1,), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
+
+  def saves(w):
+    body = lambda c, wi: (c, jax.reshard(wi, P(None, reduced={axis})))
+    return jax.lax.scan(body, 0.0, w, unroll=2)[1]
+  arg = jax.ShapeDtypeStruct((4, 2), jnp.float32,
+                             sharding=NamedSharding(mesh, P()))
+  try:
+    with jax.sharding.use_abstract_mesh(mesh):
+      jax.jit(saves).trace(arg).lower(lowering_platforms=("cpu",))
+  except ValueError as error:
+    return False if "dangerous" in str(error) else error
+  except Exception as error:  # noqa: BLE001 - re-raised by the caller
+    return error
   return True

@@ -9,6 +9,7 @@ from jax_overlap._src.inspection.model.cost_model import (
     UNKNOWN_GROUP_SIZE, CostModel, CostSource)
 from jax_overlap._src.inspection.model.hardware import HardwareProfile
 from jax_overlap._src.inspection.reading.hlo_module import HloModule
+from jax_overlap._src.inspection.report.in_flight import bytes_in_flight
 from jax_overlap._src.inspection.report.records import (
     CollectiveRecord, CopyRecord, WrittenRecord)
 from jax_overlap._src.inspection.schedule.pairing import Pair, Schedule, read_schedule
@@ -37,8 +38,9 @@ def analyse(module: HloModule, hardware: HardwareProfile, *,
   threads = sorted(set(scheduled.schedules.values())
                    | {p.thread for p in collectives})
   several_threads = len(threads) > 1
-  records = [_collective(p, scheduled, timeline, several_threads)
-             for p in collectives]
+  in_flight = bytes_in_flight(collectives, module)
+  records = [_collective(p, scheduled, timeline, several_threads,
+                         in_flight[p.key]) for p in collectives]
   copies = [_copy(p, scheduled, timeline, several_threads)
             for p in scheduled.copies()]
   written_records = [_written(w, model) for w in written or []]
@@ -86,7 +88,8 @@ def _common_flags(pair, schedule, several_threads, loop, trip) -> list[str]:
   return flags
 
 
-def _collective(pair, schedule, timeline, several_threads) -> CollectiveRecord:
+def _collective(pair, schedule, timeline, several_threads,
+                in_flight) -> CollectiveRecord:
   totals = timeline.totals.get(pair.key)
   loop, trip = _loop_of(pair, schedule)
   flags = _common_flags(pair, schedule, several_threads, loop, trip)
@@ -108,8 +111,8 @@ def _collective(pair, schedule, timeline, several_threads) -> CollectiveRecord:
       thread=pair.thread, link=totals.link if totals else "",
       queued_behind=list(queued),
       is_async=pair.is_async, made_blocking=pair.made_blocking,
-      bytes=pair.bytes, group_size=pair.group_size,
-      overlapped=list(pair.overlapped),
+      bytes=pair.bytes, bytes_in_flight=in_flight,
+      group_size=pair.group_size, overlapped=list(pair.overlapped),
       spans_iteration=pair.spans_iteration, trip_count=trip, loop=loop,
       runs=totals.runs if totals else 0.0,
       comm_s=totals.seconds if totals else 0.0,

@@ -35,6 +35,7 @@ class CollectiveRecord(_Record):
   is_async: bool
   made_blocking: bool
   bytes: float
+  bytes_in_flight: float
   group_size: int | None
   overlapped: list[str]
   spans_iteration: bool
@@ -93,7 +94,8 @@ class WrittenRecord(_Record):
 _COLLECTIVE_FIELDS = (
     "kind", "start", "done", "computation", "where", "leaf", "thread", "link",
     "queued_behind", "async",
-    "made_blocking", "bytes", "group_size", "overlapped", "spans_iteration",
+    "made_blocking", "bytes", "bytes_in_flight", "group_size", "overlapped",
+    "spans_iteration",
     "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags")
 
 

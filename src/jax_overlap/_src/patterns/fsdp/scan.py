@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
@@ -17,18 +18,23 @@ from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          differentiable,
                                                          float0_zeros,
                                                          with_layer_inputs)
+from jax_overlap._src.patterns.fsdp import pipelined
+from jax_overlap._src.patterns.fsdp.memory_knobs import (kept_layers,
+                                                         prefetch_depth)
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.stack_ends import (NO_ENDS, StackEnds,
                                                        check_end, saved_of)
-from jax_overlap._src.patterns.fsdp.transfer import ReshardTransfer
+from jax_overlap._src.patterns.fsdp.transfer import (ReshardTransfer,
+                                                     ShardMapTransfer)
 from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 
 
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               shard_dims=None, unroll: int = 2, remat_policy=None,
               xs=None, param_dtype=None, reduce_dtype=None,
-              bucket: bool = True, replica_axis=None, before=None,
-              after=None):
+              bucket: bool = True, replica_axis=None,
+              reshard_after_forward: bool | int = True, prefetch: int = 1,
+              before=None, after=None):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -37,9 +43,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   buffering). In the backward pass the gather of layer i-1 and the
   reduce-scatter of layer i+1's weight gradient are in flight while layer i's
   backward computes. Every step is fenced with `program_order`, so XLA cannot
-  undo the overlap. Gathered weights are never saved for the backward pass
+  undo the overlap. Gathered weights are not saved for the backward pass
   (nor values computed from them alone, such as a cast): the residuals are
-  activations only, and the backward pass gathers the weights again.
+  activations only, and the backward pass gathers the weights again, except
+  for the last layers `reshard_after_forward` keeps.
 
   Two contexts, one function:
 
@@ -120,6 +127,17 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       whole layer's gradient all-reduced). On an explicit-sharding mesh the
       axis is checked and XLA's partitioner makes that all-reduce (shard
       the batch over both axes).
+    reshard_after_forward: how many of the last layers keep their gathered
+      weights from the forward pass for the backward pass (PyTorch FSDP2's
+      name). The backward pass runs them first, so it would otherwise start
+      by waiting for their regathers. True: none, every layer is regathered
+      (the least memory); False: all of them, no regather; an int k: the
+      last k. `1` hides the backward pass's first regather at no cost in
+      compiled temp bytes on H100 (docs/fsdp.md has the table).
+    prefetch: how many layers ahead of its use each gather starts (1: the
+      next layer's gather runs behind this layer's compute). Each more holds
+      one more gathered layer; each gather is still in flight across one
+      layer's compute.
 
     before: a function run before the stack, `before(x)` -> the first
       layer's input (the embedding), while layer 0's gather is in flight;
@@ -180,10 +198,20 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   check_end(before, "before")
   check_end(after, "after")
   n_layers = count_layers(params)
+  kept = kept_layers(reshard_after_forward, n_layers)
+  depth = prefetch_depth(prefetch, n_layers)
   if xs is not None:
     check_xs(xs, n_layers)
   ends = None if before is None and after is None else \
       StackEnds(before, after, x)
+  if ends is not None and (kept > 1 or depth > 1):
+    raise ValueError(
+        f"fsdp_scan(before=/after=...) runs with reshard_after_forward True "
+        f"or 1 and prefetch=1 only, got reshard_after_forward="
+        f"{reshard_after_forward!r} and prefetch={prefetch!r} (which keep "
+        f"{kept} layers and gather {depth} ahead). Run before/after around "
+        f"the call instead, or use reshard_after_forward=1 (which hides the "
+        f"backward pass's first regather as well).")
   x_in, x = x, (x if ends is None else ends.stack_input)
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
                              replica_axis)
@@ -198,18 +226,25 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   layer, hoisted = traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
   if ends is not None:
     return _fsdp_scan(layer, ends.run_input(x_in, hoisted), params, n_layers,
-                      transfer, unroll, remat_policy, ends)
+                      transfer, unroll, remat_policy, ends,
+                      keep_last=kept == 1)
+  schedule = lambda *a: _fsdp_scan(*a, keep_last=kept == 1)
+  if kept > 1 or depth > 1:   # more layers keep their weights, or deeper prefetch
+    if kept and not isinstance(getattr(transfer, "inner", transfer),
+                               ShardMapTransfer):
+      unroll = _compat.unroll_saving_reduced(unroll)
+    schedule = lambda *a: pipelined.run(*a, kept=kept, prefetch=depth)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
     # they ride along in the carry, so their gradients flow like x's.
-    y, _ = _fsdp_scan(layer, (x, hoisted), params, n_layers, transfer,
-                      unroll, remat_policy)
+    y, _ = schedule(layer, (x, hoisted), params, n_layers, transfer,
+                    unroll, remat_policy)
     return y
-  return _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy)
+  return schedule(layer, x, params, n_layers, transfer, unroll, remat_policy)
 
 
 def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
-               ends=NO_ENDS):
+               ends=NO_ENDS, keep_last=False):
   x_avals = []   # x's types as one layer sees them (for the backward's trace)
 
   def forward(x, params, save: bool):
@@ -231,7 +266,10 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
         body, (x, first), jnp.arange(1, n_layers), unroll)
     (x, saved_last), _, _ = transfer.step(lambda: run_layer(x, w_last))
     x, left = ends.leave(x, x_run, save)
-    return x, (saved, saved_last, saved_of(ends, entered, left, x_run))
+    # keep_last: the last layer's gathered weights are saved (the backward
+    # pass starts with it; reshard_after_forward=1, memory_knobs.py).
+    return x, (saved, saved_last, saved_of(ends, entered, left, x_run),
+               w_last if keep_last and save else None)
 
   @jax.custom_vjp
   def run(x, params):
@@ -243,7 +281,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
 
   def run_bwd(residuals, y_bar):
     # `saved` holds the pullbacks of layers 0 .. n-2, `saved_last` layer n-1's.
-    (saved, saved_last, ends_saved), params = residuals
+    (saved, saved_last, ends_saved, w_last), params = residuals
     backward = lambda pullback, w, y_bar: _layer_backward(
         layer, pullback, w, x_avals[0], y_bar)
     # Integer, boolean and key parts of xs have float0 cotangents: a scalar
@@ -255,8 +293,12 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
         lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0)
         if G.ndim else G, grads, g)
 
-    y_bar, w, after_bar = ends.leave_back(transfer, ends_saved, y_bar,
-                                          _layer(params, n_layers - 1))
+    # With keep_last the last layer's weights were saved: nothing to gather.
+    y_bar, w, after_bar = ends.leave_back(
+        transfer, ends_saved, y_bar,
+        None if keep_last else _layer(params, n_layers - 1))
+    if keep_last:
+      w = w_last
     scatter_first = lambda x_bar, g0: ends.enter_back(
         transfer, ends_saved, after_bar, x_bar, g0)
     if n_layers == 1:

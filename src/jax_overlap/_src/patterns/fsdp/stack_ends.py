@@ -229,10 +229,13 @@ class StackEnds:
 
   def leave_back(self, transfer, saved, out_bar, last_shards):
     """after's backward with the last layer's gather in flight. Returns
-    `(carry cotangent, the last layer's weights, after's consts' cotangent)`."""
+    `(carry cotangent, the last layer's weights, after's consts' cotangent)`;
+    `last_shards` None (weights kept from the forward pass): no gather, and
+    the weights come back None."""
     _, pull_after, hoisted = saved
     if pull_after is None:   # no `after`: nothing to hide the gather behind
-      y_bar, w, consts_bar = out_bar, transfer.gather_now(last_shards), []
+      y_bar, consts_bar = out_bar, []
+      w = None if last_shards is None else transfer.gather_now(last_shards)
     else:
       bars, w, _ = transfer.step(lambda: pull_after(out_bar),
                                  gather=last_shards)
@@ -296,7 +299,9 @@ class NoEnds:
     return carry, None
 
   def leave_back(self, transfer, saved, y_bar, last_shards):
-    return y_bar, transfer.gather_now(last_shards), None
+    # last_shards None: the forward pass kept the last layer's weights.
+    return y_bar, (None if last_shards is None
+                   else transfer.gather_now(last_shards)), None
 
   def enter_back(self, transfer, saved, after_bar, x_bar, g0):
     return x_bar, transfer.scatter_now(g0)
