@@ -25,6 +25,7 @@ from jax_overlap._src.inspection.report.overlap_report import OverlapReport as O
 # Overlap patterns, built on the public names above.
 from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul
 from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
+from jax_overlap._src.patterns.moe.expert_parallel import expert_parallel as expert_parallel
 
 __all__ = [
     "Future",
@@ -48,6 +49,7 @@ __all__ = [
     "psum_start",
     # Overlap patterns.
     "all_gather_matmul",
+    "expert_parallel",
     "matmul_reduce_scatter",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Overlap patterns built on the public API: FSDP prefetch, collective matmul."""
+"""Overlap patterns built on the public API: FSDP prefetch, collective matmul, expert parallelism (MoE)."""
 
 import os as _os
 

@@ -1,0 +1,9 @@
+"""`expert_parallel`: mixture-of-experts dispatch and combine hidden behind the experts.
+
+One idea a module: `arguments` (the checks at the call), `layout` (which
+(token, choice) goes to which slot, the capacity rule, the dropped count),
+`transport` (how a chunk's slots travel: the seam where a ragged all-to-all
+can replace padded buffers), `pipeline` (the chunked, fenced schedule shared
+by the forward and backward passes) and `expert_parallel` (the public
+function and its `custom_vjp`).
+"""

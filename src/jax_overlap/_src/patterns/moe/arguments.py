@@ -1,0 +1,182 @@
+"""The checks at the call of `expert_parallel`: each names the argument."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+NAME = "expert_parallel"
+
+
+class Call(NamedTuple):
+  """The static description of one call."""
+
+  axis: Any
+  size: int            # devices along `axis`
+  experts_local: int   # E_local
+  tokens: int          # T
+  k: int
+  chunks: int
+  capacity: int | None
+
+  @property
+  def experts(self) -> int:
+    return self.experts_local * self.size
+
+  @property
+  def tokens_per_chunk(self) -> int:
+    return self.tokens // self.chunks
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(
+      value, (bool, np.bool_))
+
+
+def _shape(a) -> tuple:
+  return tuple(np.shape(a))
+
+
+def check_call(expert_fn, x, expert_ids, weights, expert_params, *, axis,
+               capacity, chunks) -> Call:
+  if not callable(expert_fn):
+    raise TypeError(
+        f"{NAME}(expert_fn=...) must be a function "
+        f"expert_fn(expert_params_e, tokens[C, D]) -> [C, D], got "
+        f"{expert_fn!r}.")
+  size = _axis_size(axis)
+  if np.ndim(x) != 2:
+    raise ValueError(
+        f"{NAME}(x=...) must be this device's tokens, shape [T, D], got shape "
+        f"{_shape(x)}. Flatten batch and sequence into one token dimension "
+        "first (x.reshape(-1, D)).")
+  tokens = _shape(x)[0]
+  if np.ndim(expert_ids) != 2 or _shape(expert_ids)[0] != tokens:
+    raise ValueError(
+        f"{NAME}(expert_ids=...) must be [T, k], each token's chosen experts, "
+        f"with T = {tokens} as in x (shape {_shape(x)}); got shape "
+        f"{_shape(expert_ids)}.")
+  if not jnp.issubdtype(jnp.result_type(expert_ids), jnp.integer):
+    raise TypeError(
+        f"{NAME}(expert_ids=...) must be integers (expert indices), got dtype "
+        f"{jnp.result_type(expert_ids)}.")
+  k = _shape(expert_ids)[1]
+  if _shape(weights) != _shape(expert_ids):
+    raise ValueError(
+        f"{NAME}(weights=...) must have the shape of expert_ids, [T, k] = "
+        f"{_shape(expert_ids)}: one combine weight per chosen expert; got "
+        f"shape {_shape(weights)}.")
+  if not jnp.issubdtype(jnp.result_type(weights), jnp.floating):
+    raise TypeError(
+        f"{NAME}(weights=...) must be floating point (combine weights), got "
+        f"dtype {jnp.result_type(weights)}.")
+  experts_local = _experts_local(expert_params)
+  chunks = _chunks(chunks, tokens)
+  capacity = _capacity(capacity)
+  call = Call(axis, size, experts_local, tokens, k, chunks, capacity)
+  _check_concrete_ids(expert_ids, call)
+  return call
+
+
+def _axis_size(axis) -> int:
+  if isinstance(axis, (tuple, list, set, frozenset)):
+    raise TypeError(
+        f"{NAME}(axis={axis!r}): give one mesh axis name; experts spread over "
+        "several axes are not supported.")
+  try:
+    return int(jax.lax.axis_size(axis))
+  except NameError:
+    raise NameError(
+        f"{NAME}(axis={axis!r}): no mesh axis named {axis!r} is bound here. "
+        "Call it inside jax.shard_map over a mesh that has this axis.") \
+        from None
+
+
+def _experts_local(expert_params) -> int:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(expert_params)
+  if not leaves:
+    raise ValueError(
+        f"{NAME}(expert_params=...) has no arrays; give each local expert's "
+        "parameters stacked along a leading E_local dimension.")
+  leading = {}
+  for path, leaf in leaves:
+    name = jax.tree_util.keystr(path) or "(expert_params itself)"
+    if np.ndim(leaf) < 1:
+      raise ValueError(
+          f"{NAME}(expert_params=...): leaf {name} is a scalar; every leaf "
+          "needs a leading E_local dimension (the experts on this device).")
+    leading[name] = _shape(leaf)[0]
+  if len(set(leading.values())) > 1:
+    raise ValueError(
+        f"{NAME}(expert_params=...): the leading (E_local) dimension differs "
+        f"between leaves: {leading}. Stack every parameter over the same "
+        "local experts.")
+  experts_local = next(iter(leading.values()))
+  if experts_local < 1:
+    raise ValueError(
+        f"{NAME}(expert_params=...): the leading (E_local) dimension is 0; "
+        "each device needs at least one expert.")
+  return experts_local
+
+
+def _chunks(chunks, tokens: int) -> int:
+  if not _is_int(chunks):
+    raise TypeError(f"{NAME}(chunks=...) must be an int >= 1, got {chunks!r}.")
+  if chunks < 1:
+    raise ValueError(f"{NAME}(chunks=...) must be an int >= 1, got {chunks}.")
+  if tokens % chunks:
+    divisors = [d for d in range(1, tokens + 1) if tokens % d == 0]
+    raise ValueError(
+        f"{NAME}(chunks={chunks}): x has T = {tokens} tokens, which {chunks} "
+        f"chunks cannot split evenly. Give chunks dividing T (one of "
+        f"{divisors[:12]}), or pad the tokens.")
+  return int(chunks)
+
+
+def _capacity(capacity) -> int | None:
+  if capacity is None:
+    return None
+  if not _is_int(capacity):
+    raise TypeError(
+        f"{NAME}(capacity=...) must be an int >= 1 (tokens each expert accepts "
+        f"from each device) or None (dropless), got {capacity!r}.")
+  if capacity < 1:
+    raise ValueError(
+        f"{NAME}(capacity=...) must be an int >= 1 (tokens each expert accepts "
+        f"from each device) or None (dropless), got {capacity}: it would drop "
+        "every token.")
+  return int(capacity)
+
+
+def _check_concrete_ids(expert_ids, call: Call) -> None:
+  """Ids known now (not traced) are checked against `[0, E)`; traced ids
+  cannot be, and an id outside is dropped (see layout.py)."""
+  if isinstance(expert_ids, core.Tracer):
+    return
+  ids = np.asarray(expert_ids)
+  if ids.size == 0:
+    return
+  low, high = int(ids.min()), int(ids.max())
+  if low < 0 or high >= call.experts:
+    bad = low if low < 0 else high
+    raise ValueError(
+        f"{NAME}(expert_ids=...) holds {bad}, outside [0, E) = [0, "
+        f"{call.experts}): E = E_local * axis size = {call.experts_local} * "
+        f"{call.size} (the leading dimension of expert_params on each of the "
+        f"{call.size} devices of axis {call.axis!r}). Route to experts "
+        f"0 .. {call.experts - 1}, or give each device more experts.")
+
+
+def check_expert_output(out, tokens, experts_local: int) -> None:
+  """`vmap(expert_fn)`'s output for tokens [E_local, rows, D]."""
+  rows = tokens.shape[1]
+  shapes = jax.tree.map(lambda a: _shape(a)[1:], out)
+  if (not isinstance(out, (jax.Array, core.Tracer)) or out.ndim != 3
+      or out.shape[:2] != (experts_local, rows)):
+    raise ValueError(
+        f"{NAME}(expert_fn=...) must return one row per token, [C, D'], for "
+        f"tokens [C, D] = [{rows}, {tokens.shape[2]}]; it returned {shapes}.")

@@ -1,0 +1,237 @@
+"""`expert_parallel`: the public function and its overlapped backward pass."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_overlap._src.patterns.leaf_scope import moving
+from jax_overlap._src.patterns.moe.arguments import (Call, check_call,
+                                                     check_expert_output)
+from jax_overlap._src.patterns.moe.layout import (dispatch_layout, pack,
+                                                  slots_per_expert, unpack)
+from jax_overlap._src.patterns.moe.pipeline import exchange_pipeline
+from jax_overlap._src.patterns.moe.transport import choose_transport
+from jax_overlap._src.patterns.moe.varying import vary_like
+
+
+def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
+                    weights, expert_params, *, axis, capacity=None,
+                    chunks: int = 2):
+  """Mixture-of-experts dispatch, experts and combine, the exchanges overlapped.
+
+  Inside `jax.shard_map` over `axis`, whose devices each hold `E_local`
+  experts (`E = E_local * axis_size` in all; expert `e` lives on device
+  `e // E_local`), computes
+
+      y[t] = sum_j weights[t, j] * expert_fn(params[expert_ids[t, j]], x[t])
+
+  for this device's tokens. Routing (which experts, what weights) stays
+  yours; this function sends each (token, choice) to its expert's device
+  (an all-to-all), runs `expert_fn` on each local expert's tokens, sends
+  the outputs back (a second all-to-all) and combines them.
+
+  The tokens are split into `chunks`: the dispatch of chunk c+1 and the
+  combine of chunk c-1 are in flight while the experts compute chunk c,
+  every step fenced with `program_order`. The backward pass (a
+  `jax.custom_vjp`) is overlapped the same way: output cotangents travel to
+  the experts while the experts' backward of the chunk before runs, and
+  token cotangents travel back. Gradients flow to `x`, `weights` and
+  `expert_params`, not to `expert_ids`. The tokens each expert received are
+  saved for the backward pass, which runs `expert_fn` again under
+  `jax.vjp` (its internals are not saved).
+
+  Capacity: within each (source device, expert) pair, (token, choice) pairs
+  claim capacity in token order, then choice order, over all of this
+  device's tokens (so what is dropped does not depend on `chunks`); pairs
+  over it contribute 0. Each chunk's buffers hold `min(capacity,
+  T / chunks * k)` rows per expert. `capacity=None` is dropless: every
+  backend gets padded buffers of the worst case, `T / chunks * k` rows per
+  expert (a ragged all-to-all is not used yet: XLA:CPU cannot run one).
+
+  An id outside `[0, E)` is an error when `expert_ids` is known at the call
+  (a NumPy array); a traced one cannot be checked and is dropped: that
+  choice contributes 0 (and is counted in `dropped`).
+
+  Args:
+    expert_fn: `expert_fn(expert_params_e, tokens) -> out`, one expert's
+      parameters (the leaves of `expert_params` without their leading
+      dimension) and its tokens `[C, D]`, returning `[C, D']`. Applied to
+      every local expert with `jax.vmap`. Give it its parameters through
+      `expert_params`: values it closes over get no gradient.
+    x: `[T, D]`, this device's tokens.
+    expert_ids: `[T, k]` integers in `[0, E)`, each token's chosen experts.
+    weights: `[T, k]`, their combine weights (floating point).
+    expert_params: a pytree whose leaves have a leading `E_local` dimension:
+      this device's experts.
+    axis: the mesh axis name (one name) the experts are spread over.
+    capacity: rows each expert accepts from each source device, an int >= 1,
+      or None (dropless).
+    chunks: how many chunks the tokens are split into (it must divide `T`);
+      1 overlaps nothing.
+
+  Returns:
+    `y`, `[T, D']`, or with a capacity `(y, dropped)`, `dropped` this
+    device's number of dropped (token, choice) pairs (int32).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import jax_overlap
+    >>> mesh = jax.make_mesh((2,), ('i',),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> scale = lambda s, tokens: tokens * s   # expert e multiplies by s[e]
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P('i'), out_specs=P('i'))
+    ... def f(x, ids, w, s):
+    ...   return jax_overlap.expert_parallel(scale, x, ids, w, s, axis='i')
+    >>> x = jnp.ones((4, 2))
+    >>> ids = jnp.array([[0], [1], [1], [0]])   # 2 experts, one on each device
+    >>> f(x, ids, jnp.ones((4, 1)), jnp.array([2.0, 3.0]))
+    Array([[2., 2.],
+           [3., 3.],
+           [3., 3.],
+           [2., 2.]], dtype=float32)
+  """
+  call = check_call(expert_fn, x, expert_ids, weights, expert_params,
+                    axis=axis, capacity=capacity, chunks=chunks)
+  x = jnp.asarray(x)
+  weights = jnp.asarray(weights)
+  expert_params = jax.tree.map(jnp.asarray, expert_params)
+  # Every operand varies over whatever any of them varies over, so that the
+  # custom_vjp's cotangents have their primals' types (jax sums the
+  # cotangent of a cast back over the axes it added).
+  every = (x, weights, expert_params)
+  x, weights = vary_like(x, every, axis=axis), vary_like(weights, every,
+                                                          axis=axis)
+  expert_params = jax.tree.map(lambda p: vary_like(p, every, axis=axis),
+                               expert_params)
+  slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  layout = dispatch_layout(jnp.asarray(expert_ids), experts=call.experts,
+                           chunks=call.chunks, capacity=call.capacity,
+                           slots=slots)
+  y = _expert_parallel(call, expert_fn, x, weights, expert_params,
+                       layout.slots)
+  return y if call.capacity is None else (y, layout.dropped)
+
+
+# --- the two passes -------------------------------------------------------------
+
+def _run_experts(call: Call, expert_fn, params, tokens):
+  out = jax.vmap(expert_fn)(params, tokens)
+  check_expert_output(out, tokens, call.experts_local)
+  return out
+
+
+def _to_experts(call: Call, arrived):
+  """[axis_size, E_local, C, D] from each source -> [E_local, sources * C, D]."""
+  n, e, c, d = arrived.shape
+  return arrived.transpose(1, 0, 2, 3).reshape(e, n * c, d)
+
+
+def _from_experts(call: Call, out):
+  """[E_local, sources * C, D] -> [axis_size, E_local, C, D] back to each."""
+  e, rows, d = out.shape
+  n = call.size
+  return out.reshape(e, n, rows // n, d).transpose(1, 0, 2, 3)
+
+
+def _as_buffer(call: Call, flat):
+  """[E * C, D] -> [axis_size, E_local, C, D], block d for device d."""
+  rows, d = flat.shape
+  return flat.reshape(call.size, call.experts_local,
+                      rows // call.experts, d)
+
+
+def _chunk(a, call: Call, c: int):
+  n = call.tokens_per_chunk
+  return a[c * n:(c + 1) * n]
+
+
+def _forward(call: Call, expert_fn, x, weights, params, slots):
+  """(y, residuals): the tokens each expert received and each (token,
+  choice)'s expert output, per chunk."""
+  transport = choose_transport(call.axis, call.size)
+  c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+
+  def send(c):
+    rows = jnp.repeat(_chunk(x, call, c), call.k, axis=0)   # one per choice
+    return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
+                                 slots=c_slots, like=x))
+
+  def compute(c, arrived):
+    tokens = _to_experts(call, arrived)
+    return _from_experts(call, _run_experts(call, expert_fn, params,
+                                            tokens)), tokens
+
+  def receive(c, returned):
+    outs = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
+    outs = outs.reshape(call.tokens_per_chunk, call.k, -1)
+    w = _chunk(weights, call, c).astype(jnp.result_type(weights, outs))
+    return jnp.einsum("tk,tkd->td", w, outs), outs
+
+  with moving("tokens"):
+    results, received = exchange_pipeline(transport, call.chunks, send=send,
+                                           compute=compute, receive=receive)
+  y = jnp.concatenate([r[0] for r in results])
+  outs = jnp.concatenate([r[1] for r in results])
+  return y, (received, outs)
+
+
+def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
+              dy):
+  transport = choose_transport(call.axis, call.size)
+  c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  experts = lambda p, t: jax.vmap(expert_fn)(p, t)
+
+  def send(c):
+    # The cotangent of each (token, choice)'s output: its weight times dy.
+    dy_c = _chunk(dy, call, c)
+    w_c = _chunk(weights, call, c).astype(dy.dtype)
+    rows = (w_c[..., None] * dy_c[:, None, :]).reshape(-1, dy.shape[-1])
+    rows = rows.astype(outs.dtype)
+    return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
+                                 slots=c_slots, like=dy))
+
+  def compute(c, arrived):
+    _, pull = jax.vjp(experts, params, received[c])
+    d_params, d_tokens = pull(_to_experts(call, arrived))
+    return _from_experts(call, d_tokens), d_params
+
+  def receive(c, returned):
+    d_rows = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
+    return d_rows.reshape(call.tokens_per_chunk, call.k, -1).sum(axis=1)
+
+  with moving("cotangents"):
+    dxs, d_params = exchange_pipeline(transport, call.chunks, send=send,
+                                      compute=compute, receive=receive)
+  dx = jnp.concatenate(dxs)
+  d_params = jax.tree.map(lambda *g: sum(g[1:], g[0]), *d_params)
+  d_weights = jnp.einsum("td,tkd->tk", dy, outs.astype(dy.dtype))
+  return dx, d_weights, d_params
+
+
+def _expert_parallel_impl(call, expert_fn, x, weights, params, slots):
+  return _forward(call, expert_fn, x, weights, params, slots)[0]
+
+
+def _fwd(call, expert_fn, x, weights, params, slots):
+  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots)
+  return y, (weights, params, slots, received, outs)
+
+
+def _bwd(call, expert_fn, residuals, dy):
+  weights, params, slots, received, outs = residuals
+  dx, d_weights, d_params = _backward(call, expert_fn, weights, params, slots,
+                                      received, outs, dy)
+  d_params = jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params)
+  # The tokens travelled in x's dtype.
+  return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype), d_params,
+          None)
+
+
+_expert_parallel = jax.custom_vjp(_expert_parallel_impl,
+                                  nondiff_argnums=(0, 1))
+_expert_parallel.defvjp(_fwd, _bwd)

@@ -1,0 +1,30 @@
+"""Mesh-axis variance (`vma`) of the arrays a pattern makes inside shard_map.
+
+A buffer made with `jnp.zeros` varies over no mesh axis; filling it with
+this device's tokens, or a `custom_vjp` cotangent of a varying primal,
+must have the varying type, so buffers are cast to vary like the arrays
+they hold.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jax_overlap._src import _compat
+
+
+def varying(a) -> frozenset:
+  """The mesh axes `a` varies over; empty where they are not tracked."""
+  return _compat.varying_axes(a) or frozenset()
+
+
+def vary_like(a, *likes, axis=None):
+  """`a`, cast to vary over every axis any of `likes` (and `axis`) varies
+  over."""
+  if _compat.varying_axes(a) is None:   # check_vma=False: nothing to cast
+    return a
+  every = frozenset() if axis is None else frozenset({axis})
+  for like in jax.tree.leaves(likes):
+    every |= varying(like)
+  missing = tuple(sorted(every - varying(a), key=str))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
