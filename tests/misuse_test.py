@@ -111,6 +111,22 @@ def _fsdp_layer_dim_sharded():
                   P("l", "d"), "d", x_spec=P("d"))
 
 
+def _moe(fn=None, x=None, ids=None, w=None, params=None, params_spec=P("i"),
+         **kwargs):
+  """expert_parallel over MESH (2 devices, one expert each), 4 tokens of
+  width 4 a device, k = 1; each keyword changes one argument."""
+  kwargs.setdefault("axis", "i")
+  fn = (lambda p, t: t @ p) if fn is None else fn
+  same = lambda a: a
+  x, ids, w, params = (f or same for f in (x, ids, w, params))
+  def local(xs, p):
+    i = np.zeros((4, 1), np.int32)    # concrete ids, in range unless changed
+    return jo.expert_parallel(fn, x(xs), ids(i), w(jnp.ones((4, 1))),
+                              params(p), **kwargs)
+  return smap(local, in_specs=(P("i"), params_spec), out_specs=P("i"))(
+      X, jnp.ones((2, 4, 4)))
+
+
 FUTURE_CARRY = r"a future cannot be a lax\.scan/fori_loop/while_loop carry"
 MISUSES = [
     # --- program_order ---------------------------------------------------------
@@ -291,6 +307,55 @@ MISUSES = [
      lambda: smap(lambda v: jo.all_gather_matmul(v, jnp.ones((4, 4)), "i",
                                                  gather_dimension=-1))(X),
      ValueError, r"gather_dimension"),
+    # --- expert_parallel (MoE) -----------------------------------------------------------
+    ("moe-axis", "expert_parallel over an unbound axis",
+     lambda: _moe(axis="j"), NameError,
+     r"expert_parallel\(axis='j'\): no mesh axis named 'j' is bound here"),
+    ("moe-expert-fn", "expert_fn=42 (not a function)",
+     lambda: _moe(fn=42), TypeError,
+     r"expert_parallel\(expert_fn=\.\.\.\) must be a function "
+     r"expert_fn\(expert_params_e, tokens\[C, D\]\) -> \[C, D\], got 42"),
+    ("moe-x-shape", "x of shape [T] (not [T, D])",
+     lambda: _moe(x=lambda x: x[:, 0]), ValueError,
+     r"expert_parallel\(x=\.\.\.\) must be this device's tokens, shape "
+     r"\[T, D\], got shape \(4,\)"),
+    ("moe-ids-shape", "expert_ids with another T than x",
+     lambda: _moe(ids=lambda ids: ids[:3]), ValueError,
+     r"expert_parallel\(expert_ids=\.\.\.\) must be \[T, k\].*T = 4 as in x "
+     r"\(shape \(4, 4\)\); got shape \(3, 1\)"),
+    ("moe-ids-dtype", "expert_ids of floats",
+     lambda: _moe(ids=lambda ids: ids.astype(jnp.float32)), TypeError,
+     r"expert_parallel\(expert_ids=\.\.\.\) must be integers"),
+    ("moe-ids-range", "expert_ids known at the call, past E = E_local * axis size",
+     lambda: _moe(ids=lambda ids: np.full((4, 1), 2, np.int32)), ValueError,
+     r"expert_parallel\(expert_ids=\.\.\.\) holds 2, outside \[0, E\) = "
+     r"\[0, 2\): E = E_local \* axis size = 1 \* 2"),
+    ("moe-weights-shape", "weights of another shape than expert_ids",
+     lambda: _moe(w=lambda w: w[:, :0]), ValueError,
+     r"expert_parallel\(weights=\.\.\.\) must have the shape of expert_ids, "
+     r"\[T, k\] = \(4, 1\)"),
+    ("moe-params-leading", "expert_params leaves over different numbers of experts",
+     lambda: _moe(params=lambda p: {"a": p, "b": jnp.ones((2, 4, 4))}), ValueError,
+     r"expert_parallel\(expert_params=\.\.\.\): the leading \(E_local\) "
+     r"dimension differs between leaves: \{\"\['a'\]\": 1, \"\['b'\]\": 2\}"),
+    ("moe-params-replicated", "expert_params replicated over the axis (in_specs P())",
+     lambda: _moe(params_spec=P()), ValueError,
+     r"expert_parallel\(expert_params=\.\.\.\): leaf \(expert_params itself\) "
+     r"does not vary over axis 'i'.*Shard the expert dimension over 'i'"),
+    ("moe-chunks-divide", "T = 4 tokens in chunks=3",
+     lambda: _moe(chunks=3), ValueError,
+     r"expert_parallel\(chunks=3\): x has T = 4 tokens, which 3 chunks cannot "
+     r"split evenly\. Give chunks dividing T \(one of \[1, 2, 4\]\)"),
+    ("moe-chunks", "chunks=0", lambda: _moe(chunks=0), ValueError,
+     r"expert_parallel\(chunks=\.\.\.\) must be an int >= 1, got 0"),
+    ("moe-capacity", "capacity=0 (capacity=1.5: TypeError)",
+     lambda: _moe(capacity=0), ValueError,
+     r"expert_parallel\(capacity=\.\.\.\) must be an int >= 1 .* or None "
+     r"\(dropless\), got 0"),
+    ("moe-expert-output", "an expert_fn that returns one value, not a row per token",
+     lambda: _moe(fn=lambda p, t: jnp.sum(t @ p)), ValueError,
+     r"expert_parallel\(expert_fn=\.\.\.\) must return one row per token, "
+     r"\[C, D'\], for tokens \[C, D\]"),
     # --- inspect -----------------------------------------------------------------------
     ("inspect-not-callable", "inspect(3, x)",
      lambda: jo.inspect(3, X), TypeError, r"inspect\(fn=\.\.\.\) must be a function"),

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
+from jax_overlap._src import _compat
+
 NAME = "expert_parallel"
 
 
@@ -75,6 +77,7 @@ def check_call(expert_fn, x, expert_ids, weights, expert_params, *, axis,
         f"{NAME}(weights=...) must be floating point (combine weights), got "
         f"dtype {jnp.result_type(weights)}.")
   experts_local = _experts_local(expert_params)
+  _check_params_vary(expert_params, axis, size, experts_local)
   chunks = _chunks(chunks, tokens)
   capacity = _capacity(capacity)
   call = Call(axis, size, experts_local, tokens, k, chunks, capacity)
@@ -121,6 +124,26 @@ def _experts_local(expert_params) -> int:
         f"{NAME}(expert_params=...): the leading (E_local) dimension is 0; "
         "each device needs at least one expert.")
   return experts_local
+
+
+def _check_params_vary(expert_params, axis, size: int,
+                       experts_local: int) -> None:
+  """Each device holds its own experts: a leaf replicated over `axis` would
+  count the same experts once per device. Seen only where shard_map tracks
+  variance (check_vma=True)."""
+  if size == 1:
+    return
+  for path, leaf in jax.tree_util.tree_flatten_with_path(expert_params)[0]:
+    vma = _compat.varying_axes(leaf)
+    if vma is not None and axis not in vma:
+      name = jax.tree_util.keystr(path) or "(expert_params itself)"
+      raise ValueError(
+          f"{NAME}(expert_params=...): leaf {name} does not vary over axis "
+          f"{axis!r} (shard_map's in_specs left it replicated), so each of "
+          f"the {size} devices would hold the same {experts_local} experts. "
+          f"Shard the expert dimension over {axis!r} (in_specs P({axis!r}) "
+          f"for an [E, ...] array, E = E_local * {size}: a multiple of the "
+          "axis size).")
 
 
 def _chunks(chunks, tokens: int) -> int:
@@ -174,9 +197,12 @@ def _check_concrete_ids(expert_ids, call: Call) -> None:
 def check_expert_output(out, tokens, experts_local: int) -> None:
   """`vmap(expert_fn)`'s output for tokens [E_local, rows, D]."""
   rows = tokens.shape[1]
-  shapes = jax.tree.map(lambda a: _shape(a)[1:], out)
-  if (not isinstance(out, (jax.Array, core.Tracer)) or out.ndim != 3
-      or out.shape[:2] != (experts_local, rows)):
-    raise ValueError(
-        f"{NAME}(expert_fn=...) must return one row per token, [C, D'], for "
-        f"tokens [C, D] = [{rows}, {tokens.shape[2]}]; it returned {shapes}.")
+  if isinstance(out, (jax.Array, core.Tracer)):
+    if out.ndim == 3 and out.shape[:2] == (experts_local, rows):
+      return
+    what = f"shape {tuple(out.shape[1:])}"       # one expert's, unbatched
+  else:
+    what = jax.tree.map(lambda a: tuple(np.shape(a)[1:]), out)
+  raise ValueError(
+      f"{NAME}(expert_fn=...) must return one row per token, [C, D'], for "
+      f"tokens [C, D] = [{rows}, {tokens.shape[2]}]; it returned {what}.")

@@ -112,15 +112,27 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   layout = dispatch_layout(jnp.asarray(expert_ids), experts=call.experts,
                            chunks=call.chunks, capacity=call.capacity,
                            slots=slots)
-  y = _expert_parallel(call, expert_fn, x, weights, expert_params,
-                       layout.slots)
+  # Values expert_fn closes over (a traced scale, a shared weight) become
+  # explicit inputs, so that their gradients flow through the custom_vjp.
+  example = vary_like(jnp.zeros((call.size * slots, x.shape[1]), x.dtype), x)
+  one_expert = jax.tree.map(lambda p: p[0], expert_params)
+  closed_fn, consts = jax.closure_convert(expert_fn, one_expert, example)
+  y = _expert_parallel(call, closed_fn, x, weights,
+                       (expert_params, tuple(consts)), layout.slots)
   return y if call.capacity is None else (y, layout.dropped)
 
 
 # --- the two passes -------------------------------------------------------------
 
+def _all_experts(expert_fn, params_and_consts, tokens):
+  """`expert_fn` on every local expert: params [E_local, ...] and tokens
+  [E_local, rows, D]; the closed-over values shared by all."""
+  params, consts = params_and_consts
+  return jax.vmap(lambda p, t: expert_fn(p, t, *consts))(params, tokens)
+
+
 def _run_experts(call: Call, expert_fn, params, tokens):
-  out = jax.vmap(expert_fn)(params, tokens)
+  out = _all_experts(expert_fn, params, tokens)
   check_expert_output(out, tokens, call.experts_local)
   return out
 
@@ -184,7 +196,7 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
               dy):
   transport = choose_transport(call.axis, call.size)
   c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
-  experts = lambda p, t: jax.vmap(expert_fn)(p, t)
+  experts = lambda p, t: _all_experts(expert_fn, p, t)
 
   def send(c):
     # The cotangent of each (token, choice)'s output: its weight times dy.
