@@ -171,7 +171,7 @@ def main():
     params, opt_state, nll, dropped = train_step(params, opt_state, sub)
     if step == 0 or (step + 1) % max(1, args.steps // 10) == 0:
       print(f"step {step + 1:4d}  loss {float(nll):.4f}  dropped {int(dropped):3d} "
-            f"of {pairs} (token, expert) pairs")
+            f"of {pairs} (token, choice) pairs")
   elapsed = time.perf_counter() - t0
   print(f"{args.steps} steps in {elapsed:.1f} s; the experts stayed sharded: "
         f"{params['w_in'].sharding.spec}")
