@@ -34,6 +34,7 @@ Auto axes). Entry points and where they apply:
                                                            refused (a misuse error, tested there)
   all_gather_matmul,                  x       x       x    in shard_map, value and grads
   matmul_reduce_scatter
+  expert_parallel                     x       x       x    in shard_map, value and grads
   inspect (the report API)            x       x       x    written and compiled schedules
   jax-overlap inspect (CLI)           x       -       -    a process of its own with no mesh:
                                                            contexts do not apply
@@ -106,7 +107,7 @@ def test_table_lists_every_entry_point():
   covered = {"program_order", "all_gather_start", "psum_start",
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
              "fsdp_scan", "all_gather_matmul", "matmul_reduce_scatter",
-             "inspect", "measure"}
+             "expert_parallel", "inspect", "measure"}
   public = {name for name in jax_overlap.__all__
             if callable(getattr(jax_overlap, name))
             and not isinstance(getattr(jax_overlap, name), type)}

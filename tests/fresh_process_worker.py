@@ -225,6 +225,30 @@ def _collective_matmul(name):
   return run
 
 
+def _expert_parallel(context, mesh, checks):
+  # One expert a device, 4 tokens each, k = 2, dropless; the reference is
+  # every (token, choice) through its expert gathered by hand.
+  n = mesh.shape[AXIS]
+  x, w = _x((4 * n, 8), 1), np.abs(_x((4 * n, 2), 2))
+  ids = np.random.default_rng(3).integers(0, n, (4 * n, 2)).astype(np.int32)
+  experts = _x((n, 8, 8), 4)
+  expert = lambda e, t: jnp.tanh(t @ e)
+  ours = lambda x, ids, w, e: jo.expert_parallel(expert, x, ids, w, e, axis=AXIS)
+  plain = lambda x, ids, w, e: jnp.einsum(
+      "tk,tkd->td", w, jnp.tanh(jnp.einsum("td,tkde->tke", x, e[ids])))
+  with _context(context, mesh):
+    args = [_put(mesh, a, P(AXIS)) for a in (x, ids, w, experts)]
+    f = _shard_map(context, mesh, ours, in_specs=(P(AXIS),) * 4,
+                   out_specs=P(AXIS), check_vma=False)
+    loss = lambda g: lambda x, w, e, ids: jnp.sum(jnp.sin(g(x, ids, w, e)))
+    got = (jax.jit(f)(*args),                                   # first call
+           jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(
+               args[0], args[2], args[3], args[1]))
+  want = (jax.jit(plain)(x, ids, w, experts),
+          jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, experts, ids))
+  _close("value and grads", got, want, checks, rtol=1e-4)
+
+
 def _inspect(context, mesh, checks):
   def local(w, x):
     @jo.program_order(enforce=True)      # decorated while inspect traces
@@ -297,6 +321,7 @@ ENTRIES = {
     "all_gather_matmul": (_collective_matmul("all_gather_matmul"), CONTEXTS),
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),
+    "expert_parallel": (_expert_parallel, CONTEXTS),
     "inspect": (_inspect, CONTEXTS),
     "measure": (_measure, CONTEXTS),
     "cli": (_cli, ("none",)),

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.moe.arguments import (Call, check_call,
@@ -108,13 +109,14 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
                                                           axis=axis)
   expert_params = jax.tree.map(lambda p: vary_like(p, every, axis=axis),
                                expert_params)
-  slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
   layout = dispatch_layout(jnp.asarray(expert_ids), experts=call.experts,
                            chunks=call.chunks, capacity=call.capacity,
-                           slots=slots)
+                           per_expert=per_expert)
   # Values expert_fn closes over (a traced scale, a shared weight) become
   # explicit inputs, so that their gradients flow through the custom_vjp.
-  example = vary_like(jnp.zeros((call.size * slots, x.shape[1]), x.dtype), x)
+  example = vary_like(
+      jnp.zeros((call.size * per_expert, x.shape[1]), x.dtype), x)
   one_expert = jax.tree.map(lambda p: p[0], expert_params)
   closed_fn, consts = jax.closure_convert(expert_fn, one_expert, example)
   y = _expert_parallel(call, closed_fn, x, weights,
@@ -162,40 +164,41 @@ def _chunk(a, call: Call, c: int):
   return a[c * n:(c + 1) * n]
 
 
-def _forward(call: Call, expert_fn, x, weights, params, slots):
-  """(y, residuals): the tokens each expert received and each (token,
-  choice)'s expert output, per chunk."""
+def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
+  """(y, residuals): with `save`, the tokens each expert received (per
+  chunk) and each (token, choice)'s expert output; else None."""
   transport = choose_transport(call.axis, call.size)
-  c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
 
   def send(c):
     rows = jnp.repeat(_chunk(x, call, c), call.k, axis=0)   # one per choice
     return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 slots=c_slots, like=x))
+                                 per_expert=per_expert, like=x))
 
   def compute(c, arrived):
     tokens = _to_experts(call, arrived)
-    return _from_experts(call, _run_experts(call, expert_fn, params,
-                                            tokens)), tokens
+    out = _run_experts(call, expert_fn, params, tokens)
+    return _from_experts(call, out), (tokens if save else None)
 
   def receive(c, returned):
     outs = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
     outs = outs.reshape(call.tokens_per_chunk, call.k, -1)
     w = _chunk(weights, call, c).astype(jnp.result_type(weights, outs))
-    return jnp.einsum("tk,tkd->td", w, outs), outs
+    return jnp.einsum("tk,tkd->td", w, outs), (outs if save else None)
 
   with moving("tokens"):
     results, received = exchange_pipeline(transport, call.chunks, send=send,
                                            compute=compute, receive=receive)
   y = jnp.concatenate([r[0] for r in results])
-  outs = jnp.concatenate([r[1] for r in results])
-  return y, (received, outs)
+  if not save:
+    return y, None
+  return y, (received, jnp.concatenate([r[1] for r in results]))
 
 
 def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
               dy):
   transport = choose_transport(call.axis, call.size)
-  c_slots = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
   experts = lambda p, t: _all_experts(expert_fn, p, t)
 
   def send(c):
@@ -205,7 +208,7 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
     rows = (w_c[..., None] * dy_c[:, None, :]).reshape(-1, dy.shape[-1])
     rows = rows.astype(outs.dtype)
     return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 slots=c_slots, like=dy))
+                                 per_expert=per_expert, like=dy))
 
   def compute(c, arrived):
     _, pull = jax.vjp(experts, params, received[c])
@@ -220,17 +223,30 @@ def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
     dxs, d_params = exchange_pipeline(transport, call.chunks, send=send,
                                       compute=compute, receive=receive)
   dx = jnp.concatenate(dxs)
-  d_params = jax.tree.map(lambda *g: sum(g[1:], g[0]), *d_params)
+  d_params = jax.tree.map(_sum_over_chunks, *d_params)
   d_weights = jnp.einsum("td,tkd->tk", dy, outs.astype(dy.dtype))
   return dx, d_weights, d_params
 
 
+def _sum_over_chunks(*grads):
+  if grads[0].dtype == jax.dtypes.float0:    # an integer leaf: no gradient
+    return grads[0]
+  return sum(grads[1:], grads[0])
+
+
+def _cotangent_for(grad, primal):
+  if not jnp.issubdtype(primal.dtype, jnp.inexact):
+    return np.zeros(primal.shape, jax.dtypes.float0)
+  return grad.astype(primal.dtype)
+
+
 def _expert_parallel_impl(call, expert_fn, x, weights, params, slots):
-  return _forward(call, expert_fn, x, weights, params, slots)[0]
+  return _forward(call, expert_fn, x, weights, params, slots, save=False)[0]
 
 
 def _fwd(call, expert_fn, x, weights, params, slots):
-  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots)
+  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots,
+                                 save=True)
   return y, (weights, params, slots, received, outs)
 
 
@@ -238,7 +254,7 @@ def _bwd(call, expert_fn, residuals, dy):
   weights, params, slots, received, outs = residuals
   dx, d_weights, d_params = _backward(call, expert_fn, weights, params, slots,
                                       received, outs, dy)
-  d_params = jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params)
+  d_params = jax.tree.map(_cotangent_for, d_params, params)
   # The tokens travelled in x's dtype.
   return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype), d_params,
           None)

@@ -45,7 +45,7 @@ def slots_per_expert(tokens_per_chunk: int, k: int, capacity) -> int:
 
 
 def dispatch_layout(expert_ids, *, experts: int, chunks: int, capacity,
-                    slots: int) -> Layout:
+                    per_expert: int) -> Layout:
   """The layout of `expert_ids` ([T, k]) split into `chunks` in token order."""
   tokens, k = expert_ids.shape
   ids = expert_ids.astype(jnp.int32).reshape(chunks, (tokens // chunks) * k)
@@ -63,15 +63,16 @@ def dispatch_layout(expert_ids, *, experts: int, chunks: int, capacity,
     before = jnp.cumsum(per_chunk, axis=0) - per_chunk   # earlier chunks
     earlier = jnp.take_along_axis(before, own, axis=1) + q
     kept = kept & (earlier < capacity)
-  flat = jnp.where(kept, own * slots + q, experts * slots).astype(jnp.int32)
+  flat = jnp.where(kept, own * per_expert + q, experts * per_expert)
+  flat = flat.astype(jnp.int32)
   dropped = jnp.sum(~kept, dtype=jnp.int32)
   return Layout(flat, dropped)
 
 
-def pack(rows, slots_of_chunk, *, experts: int, slots: int, like):
+def pack(rows, slots_of_chunk, *, experts: int, per_expert: int, like):
   """The send buffer [E * C, D] of one chunk: `rows` ([T_chunk * k, D], one
   row per (token, choice)) put in their slots; empty slots are 0."""
-  buffer = jnp.zeros((experts * slots, rows.shape[-1]), rows.dtype)
+  buffer = jnp.zeros((experts * per_expert, rows.shape[-1]), rows.dtype)
   buffer = vary_like(buffer, like)
   # Dropped pairs share the one-past-the-end index, so the indices are not
   # promised unique.
