@@ -5,9 +5,11 @@
 #   make test-jaxX     the test suite on jax X alone
 #   make fuzz N=500    the differential fuzz tests on N random programs each, on the newest jax
 #   make demo          `jax-overlap demo` on the newest jax (DEMO_ARGS: e.g. --steps 50)
-#   make bench         benchmarks/bench.py on every supported jax, then make bench-aot
+#   make bench         benchmarks/bench.py on every supported jax, then make bench-aot and bench-moe
 #   make bench-aot     benchmarks/bench_vs_xla.py: fsdp_scan against XLA's own overlap on the
 #                      real TPU v5e / H100 compilers, ahead of time, in .venv-aot
+#   make bench-moe     benchmarks/bench_moe.py: expert_parallel's chunks against a synchronous
+#                      all-to-all dispatch, one MoE block on the real H100 compiler, in .venv-aot
 #   make conformance   ../shared/conformance/run.sh against jax_overlap on jax 0.12.0.1
 #   make test-aot      tests/aot/ (the real TPU and GPU compilers, ahead of time) in .venv-aot
 #   make test-aot-jaxX tests/aot/'s older-jax subset on jax X (0.10.2, 0.11.0) in .venv-aot-jaxX
@@ -15,7 +17,8 @@
 #   make clean         remove the venvs and build leftovers
 #
 # Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
-# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick), BENCH_AOT_ARGS (e.g. --layers 4), N (random programs per fuzz
+# DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick), BENCH_AOT_ARGS (e.g. --layers 4),
+# BENCH_MOE_ARGS (e.g. --targets gpu_h100 tpu_v5e), N (random programs per fuzz
 # test), PY311 / PY312 (override the interpreters found below).
 #
 # Each jax version gets its own venv, .venv-jaxX, built from nothing by its stamp
@@ -157,12 +160,17 @@ fuzz: $(call stamp,$(NEWEST))
 demo: $(call stamp,$(NEWEST))
 	$(call venv,$(NEWEST))/bin/jax-overlap demo $(DEMO_ARGS)
 
-bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v)) bench-aot
+bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v)) bench-aot bench-moe
 
 # Writes benchmarks/results/bench-vs-xla.{md,json}; one compile a process (about 15 min on 2 cores).
 .PHONY: bench-aot
 bench-aot: $(AOT_VENV)/.installed
 	PYTHONPATH=$(CURDIR)/src $(AOT_VENV)/bin/python benchmarks/bench_vs_xla.py $(BENCH_AOT_ARGS)
+
+# Writes benchmarks/results/bench-moe.{md,json}; one compile a process (about a minute).
+.PHONY: bench-moe
+bench-moe: $(AOT_VENV)/.installed
+	PYTHONPATH=$(CURDIR)/src $(AOT_VENV)/bin/python benchmarks/bench_moe.py $(BENCH_MOE_ARGS)
 
 # --- conformance --------------------------------------------------------------
 CONFORMANCE_RUN := ../shared/conformance/run.sh
