@@ -50,6 +50,18 @@ class Ring(NamedTuple):
 _LEFT, _RIGHT = -1, +1
 
 
+def _send(chunk, ring: Ring, direction: int):
+  """Starts sending `chunk` one device along the ring in `direction`, as a
+  matrix: the TPU compiler (libtpu 0.0.52) may give a rank-3 or higher
+  chunk's received copy another layout than the one sent (say a block of a
+  (batch, sequence, width) array gathered along the sequence) and then
+  refuses its own module: "Input and output buffer shapes have different
+  layout". The receiver reshapes it back."""
+  if chunk.ndim > 2:
+    chunk = chunk.reshape(-1, chunk.shape[-1])
+  return ppermute_start(chunk, ring.axis, ring.perm(direction))
+
+
 def gather_ring(ring: Ring, chunk, operands, state,
                 consume: Callable[[Any, Any, Any, Any], Any]):
   """Folds every device's `chunk` into `state`, each as it arrives.
@@ -73,15 +85,14 @@ def gather_ring(ring: Ring, chunk, operands, state,
     held = {_LEFT: chunk, _RIGHT: chunk}
     for step in range(left_hops + 1):
       sending = [d for d in held if step < hops[d]]
-      futures = {d: ppermute_start(held[d], ring.axis, ring.perm(d))
-                 for d in sending}
+      futures = {d: _send(held[d], ring, d) for d in sending}
       if step == 0:
         state = consume(operands, state, chunk, index)
       for d in held:
         if 1 <= step <= hops[d]:
           state = consume(operands, state, held[d], sources[d, step])
       for d in sending:
-        held[d] = futures[d].done()
+        held[d] = futures[d].done().reshape(chunk.shape)
     return state
 
   return run(chunk, operands, state, index, sources)
@@ -114,14 +125,20 @@ def reduce_scatter_ring(ring: Ring, operands,
     for step in range(left_hops + 1):
       local = {d: step - first_step[d] for d in hops}
       sending = [d for d in hops if 1 <= local[d] <= hops[d]]
-      futures = {d: ppermute_start(acc[d], ring.axis, ring.perm(d))
-                 for d in sending}
+      futures = {d: _send(acc[d], ring, d) for d in sending}
       parts = {d: part(operands, targets[d, local[d]])
                for d in hops if 0 <= local[d] < hops[d]}
       if step == left_hops:
         own = part(operands, index)
       for d in sending:
-        received[d] = futures[d].done()
+        received[d] = futures[d].done().reshape(acc[d].shape)
+      if sending:
+        # The next step's parts read the operands only once this step's
+        # sends have arrived. Nothing else ties them there: a part does not
+        # read what arrives, and the TPU compiler (libtpu 0.0.52) otherwise
+        # computes every part in the first send's window, leaving the other
+        # sends with nothing to hide behind.
+        operands, received = jax.lax.optimization_barrier((operands, received))
       for d in parts:
         acc[d] = parts[d] if local[d] == 0 else received[d] + parts[d]
     for d in hops:
