@@ -462,6 +462,11 @@ def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
 
 #: (target, which, grad) -> why not every permute has a block matmul between.
 PERMUTES_SHORT = {
+    ("tpu_v5e", "all_gather_matmul", True): (
+        "TPU v5e (libtpu 0.0.52): the backward's two rings (dx's reduce-"
+        "scatter, dw's gather of x) are interleaved, each gather send's window "
+        "holds a part of the other ring, and the last gather send (after the "
+        "scatter ring has ended) has nothing in flight: 13 of 14; open (issue 16)"),
     ("tpu_v5p", "all_gather_matmul", True): (
         "TPU v5p (libtpu 0.0.52): one of the backward's 14 permutes has no "
         "block matmul in its window; open (issue 16)"),
@@ -506,8 +511,9 @@ def test_data_and_tensor_parallel_block_compiles(name, overlapped):
   text, warned = _compile(name, "dp_tp", overlapped)
   assert not warned, warned
   if overlapped:
-    # 4 devices on 'model': two rings of 3 sends in the forward, three in
-    # the backward; each send async with a block matmul in flight.
+    # 4 devices on 'model': two rings of 3 sends in the forward, two in the
+    # backward (w1's gather of x, w2's of dy; x's gradient is not asked
+    # for); each send async with a block matmul in flight.
     permutes = _async(text, "collective-permute")
-    assert len(permutes) >= 15, schedule.windows(text)
+    assert len(permutes) >= 12, schedule.windows(text)
     assert all(w.matmuls >= 1 for w in permutes), permutes

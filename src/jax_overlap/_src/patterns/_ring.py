@@ -126,19 +126,22 @@ def reduce_scatter_ring(ring: Ring, operands,
       local = {d: step - first_step[d] for d in hops}
       sending = [d for d in hops if 1 <= local[d] <= hops[d]]
       futures = {d: _send(acc[d], ring, d) for d in sending}
+      if sending:
+        # This step's parts read the operands only once what is being sent
+        # is complete, as a gather ring's compute reads the chunk it sends.
+        # A part reads nothing that travels, and without this tie the TPU
+        # compiler (libtpu 0.0.52, v5e) computes every part in the first
+        # send's window, leaving the later sends nothing to hide behind; a
+        # tie to the arrival instead (the done) makes v5p run each part
+        # after its send has finished.
+        operands, _ = jax.lax.optimization_barrier(
+            (operands, [acc[d] for d in sending]))
       parts = {d: part(operands, targets[d, local[d]])
                for d in hops if 0 <= local[d] < hops[d]}
       if step == left_hops:
         own = part(operands, index)
       for d in sending:
         received[d] = futures[d].done().reshape(acc[d].shape)
-      if sending:
-        # The next step's parts read the operands only once this step's
-        # sends have arrived. Nothing else ties them there: a part does not
-        # read what arrives, and the TPU compiler (libtpu 0.0.52) otherwise
-        # computes every part in the first send's window, leaving the other
-        # sends with nothing to hide behind.
-        operands, received = jax.lax.optimization_barrier((operands, received))
       for d in parts:
         acc[d] = parts[d] if local[d] == 0 else received[d] + parts[d]
     for d in hops:
