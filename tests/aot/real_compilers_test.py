@@ -462,11 +462,6 @@ def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
 
 #: (target, which, grad) -> why not every permute has a block matmul between.
 PERMUTES_SHORT = {
-    ("tpu_v5e", "all_gather_matmul", True): (
-        "TPU v5e (libtpu 0.0.52): the backward's two rings (dx's reduce-"
-        "scatter, dw's gather of x) are interleaved, each gather send's window "
-        "holds a part of the other ring, and the last gather send (after the "
-        "scatter ring has ended) has nothing in flight: 13 of 14; open (issue 16)"),
     ("tpu_v5p", "all_gather_matmul", True): (
         "TPU v5p (libtpu 0.0.52): one of the backward's 14 permutes has no "
         "block matmul in its window; open (issue 16)"),

@@ -99,13 +99,14 @@ def gather_ring(ring: Ring, chunk, operands, state,
 
 
 def reduce_scatter_ring(ring: Ring, operands,
-                        part: Callable[[Any, Any], Any]):
+                        part: Callable[[Any, Any], Any], *, paced: bool):
   """Sums `part(operands, index)` over the devices, for this device's index.
 
   `part(operands, t)` is this device's contribution to the output chunk of
   device `t` (a traced index); the result is, on device `i`, the sum over
   all devices of their `part(..., i)`. Each accumulator is sent on while
-  the next part is computed.
+  the next part is computed; `paced`: each step's parts wait until the
+  accumulators it sends are complete (see below where that helps).
   """
   left_hops, right_hops = ring.hops
   hops = {_LEFT: left_hops, _RIGHT: right_hops}
@@ -126,14 +127,14 @@ def reduce_scatter_ring(ring: Ring, operands,
       local = {d: step - first_step[d] for d in hops}
       sending = [d for d in hops if 1 <= local[d] <= hops[d]]
       futures = {d: _send(acc[d], ring, d) for d in sending}
-      if sending:
+      if sending and paced:
         # This step's parts read the operands only once what is being sent
         # is complete, as a gather ring's compute reads the chunk it sends.
         # A part reads nothing that travels, and without this tie the TPU
-        # compiler (libtpu 0.0.52, v5e) computes every part in the first
-        # send's window, leaving the later sends nothing to hide behind; a
-        # tie to the arrival instead (the done) makes v5p run each part
-        # after its send has finished.
+        # compiler (libtpu 0.0.52, v5e) computes every part of a ring alone
+        # in the first send's window, leaving the later sends nothing to
+        # hide behind; a tie to the arrival instead (the done) makes v5p run
+        # each part after its send has finished.
         operands, _ = jax.lax.optimization_barrier(
             (operands, [acc[d] for d in sending]))
       parts = {d: part(operands, targets[d, local[d]])
