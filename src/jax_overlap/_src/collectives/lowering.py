@@ -316,7 +316,14 @@ def _async_config(ctx, op, comm: Comm) -> dict[str, Any]:
   else:
     cfg["replica_groups"] = _replica_groups(ctx, comm)
   if "channel_handle" in attrs:
-    cfg["channel_id"] = int(hlo.ChannelHandle(attrs["channel_handle"]).handle)
+    # jax gives every collective channel 1 (XLA numbers them later), but a
+    # start custom call keeps the id it is given: two starts of the same value
+    # with the same config (a ring that sends x in the forward and again in
+    # the backward) would then be identical, XLA's CSE would merge them, and
+    # the verifier refuses the start left with two dones (H100: "Async start
+    # collective-permute-start is matched by multiple async done
+    # instructions"). A channel of its own keeps each start apart.
+    cfg["channel_id"] = int(ctx.module_context.new_channel())
   if "use_global_device_ids" in attrs:
     cfg["use_global_device_ids"] = True
   return cfg

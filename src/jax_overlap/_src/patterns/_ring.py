@@ -50,6 +50,18 @@ class Ring(NamedTuple):
 _LEFT, _RIGHT = -1, +1
 
 
+def _send(chunk, ring: Ring, direction: int):
+  """Starts sending `chunk` one device along the ring in `direction`, as a
+  matrix: the TPU compiler (libtpu 0.0.52) may give a rank-3 or higher
+  chunk's received copy another layout than the one sent (say a block of a
+  (batch, sequence, width) array gathered along the sequence) and then
+  refuses its own module: "Input and output buffer shapes have different
+  layout". The receiver reshapes it back."""
+  if chunk.ndim > 2:
+    chunk = chunk.reshape(-1, chunk.shape[-1])
+  return ppermute_start(chunk, ring.axis, ring.perm(direction))
+
+
 def gather_ring(ring: Ring, chunk, operands, state,
                 consume: Callable[[Any, Any, Any, Any], Any]):
   """Folds every device's `chunk` into `state`, each as it arrives.
@@ -73,28 +85,28 @@ def gather_ring(ring: Ring, chunk, operands, state,
     held = {_LEFT: chunk, _RIGHT: chunk}
     for step in range(left_hops + 1):
       sending = [d for d in held if step < hops[d]]
-      futures = {d: ppermute_start(held[d], ring.axis, ring.perm(d))
-                 for d in sending}
+      futures = {d: _send(held[d], ring, d) for d in sending}
       if step == 0:
         state = consume(operands, state, chunk, index)
       for d in held:
         if 1 <= step <= hops[d]:
           state = consume(operands, state, held[d], sources[d, step])
       for d in sending:
-        held[d] = futures[d].done()
+        held[d] = futures[d].done().reshape(chunk.shape)
     return state
 
   return run(chunk, operands, state, index, sources)
 
 
 def reduce_scatter_ring(ring: Ring, operands,
-                        part: Callable[[Any, Any], Any]):
+                        part: Callable[[Any, Any], Any], *, paced: bool):
   """Sums `part(operands, index)` over the devices, for this device's index.
 
   `part(operands, t)` is this device's contribution to the output chunk of
   device `t` (a traced index); the result is, on device `i`, the sum over
   all devices of their `part(..., i)`. Each accumulator is sent on while
-  the next part is computed.
+  the next part is computed; `paced`: each step's parts wait until the
+  accumulators it sends are complete (see below where that helps).
   """
   left_hops, right_hops = ring.hops
   hops = {_LEFT: left_hops, _RIGHT: right_hops}
@@ -114,14 +126,23 @@ def reduce_scatter_ring(ring: Ring, operands,
     for step in range(left_hops + 1):
       local = {d: step - first_step[d] for d in hops}
       sending = [d for d in hops if 1 <= local[d] <= hops[d]]
-      futures = {d: ppermute_start(acc[d], ring.axis, ring.perm(d))
-                 for d in sending}
+      futures = {d: _send(acc[d], ring, d) for d in sending}
+      if sending and paced:
+        # This step's parts read the operands only once what is being sent
+        # is complete, as a gather ring's compute reads the chunk it sends.
+        # A part reads nothing that travels, and without this tie the TPU
+        # compiler (libtpu 0.0.52, v5e) computes every part of a ring alone
+        # in the first send's window, leaving the later sends nothing to
+        # hide behind; a tie to the arrival instead (the done) makes v5p run
+        # each part after its send has finished.
+        operands, _ = jax.lax.optimization_barrier(
+            (operands, [acc[d] for d in sending]))
       parts = {d: part(operands, targets[d, local[d]])
                for d in hops if 0 <= local[d] < hops[d]}
       if step == left_hops:
         own = part(operands, index)
       for d in sending:
-        received[d] = futures[d].done()
+        received[d] = futures[d].done().reshape(acc[d].shape)
       for d in parts:
         acc[d] = parts[d] if local[d] == 0 else received[d] + parts[d]
     for d in hops:
