@@ -51,12 +51,23 @@ _ASYNC_NAME = {
 }
 
 
-def _lower_start(ctx, x, *, comm, split):
+def _lower_start(ctx, x, *aux, comm, split):
   check_finished(comm)
   if comm.tpu_form is not None:
     return [_lower_form_start(ctx, x, comm, split=split), x]
-  sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.out_aval])
-  (y,) = _compat.lower_jaxpr_inline(sub_ctx, comm.jaxpr, x)
+  sub_ctx = ctx.replace(avals_in=[comm.in_aval, *comm.aux_avals],
+                        avals_out=[comm.out_aval])
+  jaxpr = comm.jaxpr_for(_platforms(ctx))
+  (y,) = _compat.lower_jaxpr_inline(sub_ctx, jaxpr, x, *aux)
+  if jaxpr is comm.cpu_jaxpr:
+    # Its collective is a dense all-to-all inside more ops: whole, like every
+    # collective on CPU (values only; XLA:CPU blocks on collectives anyway).
+    return [y, x]
+  ragged = _ragged_op(y)
+  if ragged is not None:
+    if split and _compat.ASYNC_CUSTOM_CALLS and RAGGED_PAIR:
+      y = _to_ragged_custom_call_pair(ctx, ragged, comm)
+    return [y, x]
   op = _collective_op(y)
   if op is not None and split and _sync_on_this_platform(ctx, op):
     op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
@@ -286,6 +297,38 @@ def _collective_op(y):
   return op
 
 
+RAGGED_PAIR = False
+
+
+def _ragged_op(y):
+  """The `ragged_all_to_all` custom call `y` comes from, or None."""
+  owner = y.owner
+  if isinstance(owner, ir.Block):
+    return None
+  op = owner.operation if hasattr(owner, "operation") else owner
+  if op.name == "stablehlo.custom_call" and _target(op) == "ragged_all_to_all":
+    return op
+  return None
+
+
+def _to_ragged_custom_call_pair(ctx, op, comm):
+  cfg = {"replica_groups": _replica_groups(ctx, comm)}
+  backend = ir.DictAttr(op.attributes["backend_config"])
+  if "channel_id" in backend:
+    cfg["channel_id"] = int(ir.IntegerAttr(backend["channel_id"]).value)
+  result = op.results[0]
+  with ir.InsertionPoint(op):
+    started = mlir.custom_call(
+        "ragged-all-to-all-start", result_types=[result.type],
+        operands=list(op.operands), api_version=1,
+        extra_attributes={"mhlo.frontend_attributes": ir.DictAttr.get(
+            {"async_collective_config": ir.StringAttr.get(json.dumps(cfg))})},
+    ).result
+  result.replace_all_uses_with(started)
+  op.erase()
+  return started
+
+
 def _replica_groups(ctx, comm: Comm) -> list[list[int]] | None:
   for eqn in _compat.open_jaxpr(comm.jaxpr).eqns:
     names = eqn.params.get("axis_name", eqn.params.get("axes"))
@@ -436,7 +479,7 @@ def _find_start(value):
       return None, None
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     if target.endswith("-start") and target[:-len("-start")] in \
-        _ASYNC_NAME.values():
+        (*_ASYNC_NAME.values(), "ragged-all-to-all"):
       return target[:-len("-start")], op
     return None, None
 
