@@ -65,8 +65,7 @@ def _lower_start(ctx, x, *aux, comm, split):
     return [y, x]
   ragged = _ragged_op(y)
   if ragged is not None:
-    if split and _compat.ASYNC_CUSTOM_CALLS and RAGGED_PAIR:
-      y = _to_ragged_custom_call_pair(ctx, ragged, comm)
+    _say_ragged_is_sync(ctx, ragged)
     return [y, x]
   op = _collective_op(y)
   if op is not None and split and _sync_on_this_platform(ctx, op):
@@ -297,9 +296,6 @@ def _collective_op(y):
   return op
 
 
-RAGGED_PAIR = False
-
-
 def _ragged_op(y):
   """The `ragged_all_to_all` custom call `y` comes from, or None."""
   owner = y.owner
@@ -311,22 +307,30 @@ def _ragged_op(y):
   return None
 
 
-def _to_ragged_custom_call_pair(ctx, op, comm):
-  cfg = {"replica_groups": _replica_groups(ctx, comm)}
-  backend = ir.DictAttr(op.attributes["backend_config"])
-  if "channel_id" in backend:
-    cfg["channel_id"] = int(ir.IntegerAttr(backend["channel_id"]).value)
-  result = op.results[0]
-  with ir.InsertionPoint(op):
-    started = mlir.custom_call(
-        "ragged-all-to-all-start", result_types=[result.type],
-        operands=list(op.operands), api_version=1,
-        extra_attributes={"mhlo.frontend_attributes": ir.DictAttr.get(
-            {"async_collective_config": ir.StringAttr.get(json.dumps(cfg))})},
-    ).result
-  result.replace_all_uses_with(started)
-  op.erase()
-  return started
+def _say_ragged_is_sync(ctx, op) -> None:
+  """The real ragged all-to-all stays whole where the future starts: XLA's
+  async custom calls (jax 0.12) take the five other collectives only
+  ("No registered implementation for custom call to ragged-all-to-all-start
+  for platform CUDA"; TPU: "Custom emitter for ragged-all-to-all-start not
+  found"), and an ordered block's fences then finish it there."""
+  op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
+  accelerators = [p for p in _platforms(ctx) if p != "cpu"]
+  if not accelerators:
+    return
+  platform = "/".join(accelerators)
+  not_async.warn_once(f"future:{platform}:ragged-all-to-all", (
+      f"ragged_all_to_all_start on {platform}: XLA has no async ragged "
+      "all-to-all pair a program can place (jax 0.12's async custom calls "
+      "take all-gather, all-reduce, reduce-scatter, all-to-all and "
+      "collective-permute only; measured with libtpu 0.0.52 and the CUDA "
+      "plugin 0.12.0.1), so the "
+      "ragged all-to-all runs whole where the future starts: inside "
+      "program_order nothing is in flight between start and done() (values "
+      "unchanged; outside program_order XLA may still make it async, as "
+      "TPU's compiler does). To overlap it under program_order, send "
+      "fixed-capacity buffers with all_to_all_start instead. Silence with "
+      "warnings.filterwarnings('ignore', "
+      "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
 def _replica_groups(ctx, comm: Comm) -> list[list[int]] | None:
@@ -479,7 +483,7 @@ def _find_start(value):
       return None, None
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     if target.endswith("-start") and target[:-len("-start")] in \
-        (*_ASYNC_NAME.values(), "ragged-all-to-all"):
+        _ASYNC_NAME.values():
       return target[:-len("-start")], op
     return None, None
 
