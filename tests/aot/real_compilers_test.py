@@ -329,6 +329,31 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
 
 
 @needs_pairs
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def test_ragged_future_outside_program_order_is_the_compilers_to_schedule(name):
+  # What the README says of ragged_all_to_all_start outside program_order:
+  # libtpu makes the real op async by itself, around the independent matmul;
+  # the H100 compiler keeps it synchronous. When either changes, this fails.
+  t = target(name)
+
+  def f(x, w):
+    future = _start("ragged_all_to_all", x, t.n)
+    y = jnp.tanh(w @ w)
+    return (future.done().sum() + y.sum())[None]
+  not_async._warned.clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = compiled_text(_smap(t, f, (P("x"), P())),
+                         arg(t, (16 * t.n, 16), P("x")), arg(t, (16, 16)))
+  pairs = _async(text, "ragged-all-to-all")
+  if t.is_tpu:
+    assert len(pairs) == 1 and pairs[0].matmuls >= 1, schedule.windows(text)
+  else:
+    assert not pairs, pairs
+  assert any("ragged_all_to_all_start on" in str(w.message) for w in caught)
+
+
+@needs_pairs
 @pytest.mark.parametrize("kind", ["psum_scatter", "all_to_all"])
 def test_the_async_pair_still_crashes_libtpu(kind):
   # Why these futures are lowered synchronously on TPU: the async pair under
