@@ -238,7 +238,11 @@ def ragged_all_to_all_start(operand, output, input_offsets, send_sizes,
   `output_offsets[i]`; `recv_sizes[i]` is the size of the chunk received in
   slot `i`. Rows of `output` that nothing is written to keep their value.
 
-  On GPU and TPU this is the real ragged all-to-all. XLA:CPU cannot run one
+  On GPU and TPU this is the real ragged all-to-all, run whole where the
+  future starts: XLA has no async form of it that a program can place, so
+  under `program_order` nothing is in flight between start and `done()` (a
+  `CollectiveNotAsyncWarning` says so; outside it libtpu makes it async by
+  itself, the GPU compiler does not). XLA:CPU cannot run one
   (no jax has it there), so on CPU the future runs the same exchange as one
   dense all-to-all of every chunk padded to `min(N, M)` rows (and of
   `output_offsets`), with gathers by the offsets on each side: the same
