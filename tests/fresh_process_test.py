@@ -28,6 +28,7 @@ Auto axes). Entry points and where they apply:
   program_order(enforce=True)         x       x       x    outside shard_map, on the user's arrays
   program_order(enforce=False)        x       x       x    a free block in an ordered one
   all_gather_start ... ppermute_start x       x       x    in shard_map, value and grad
+  and ragged_all_to_all_start
   fsdp_scan in shard_map              x       x       x    loss and grads
   fsdp_scan on an Explicit mesh       -       x       -    needs Explicit mesh axes: with none
                                                            there is no mesh, on Auto axes it is
@@ -106,8 +107,8 @@ def test_table_lists_every_entry_point():
   # Every public function of jax_overlap is some case's first call.
   covered = {"program_order", "all_gather_start", "psum_start",
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
-             "fsdp_scan", "all_gather_matmul", "matmul_reduce_scatter",
-             "expert_parallel", "inspect", "measure"}
+             "ragged_all_to_all_start", "fsdp_scan", "all_gather_matmul",
+             "matmul_reduce_scatter", "expert_parallel", "inspect", "measure"}
   public = {name for name in jax_overlap.__all__
             if callable(getattr(jax_overlap, name))
             and not isinstance(getattr(jax_overlap, name), type)}

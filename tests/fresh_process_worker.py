@@ -34,6 +34,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_overlap as jo  # noqa: E402  (imported only: nothing called yet)
+from ragged_reference import dense_reference  # noqa: E402  (jax ops only)
 
 CASE_TIMEOUT_S = 180
 AT_ONCE = 2
@@ -127,7 +128,24 @@ _FUTURES = {
         lambda v: lax.all_to_all(v, AXIS, 0, 0, tiled=True), P(AXIS)),
     "ppermute_start": (lambda v: jo.ppermute_start(v, AXIS, PERM),
                        lambda v: lax.ppermute(v, AXIS, PERM), P(AXIS)),
+    # XLA:CPU cannot run lax.ragged_all_to_all: the reference is by hand.
+    "ragged_all_to_all_start": (
+        lambda v: jo.ragged_all_to_all_start(v, 0.5 * v, *_ragged_ints(v),
+                                             axis_name=AXIS),
+        lambda v: dense_reference(v, 0.5 * v, *_ragged_ints(v)[:3], AXIS),
+        P(AXIS)),
 }
+
+
+def _ragged_ints(v):
+  """Device d sends row k to device (d + k) % 8 (one row each), received at
+  row (7 - its sender): (input_offsets, send_sizes, output_offsets,
+  recv_sizes)."""
+  d = lax.axis_index(AXIS)
+  k = jnp.arange(8, dtype=jnp.int32)
+  in_off = (k - d) % 8                 # chunk k (to device k): that row
+  ones = jnp.ones(8, jnp.int32)
+  return in_off, ones, (7 - d) * ones, ones
 
 
 def _future(name):

@@ -77,6 +77,19 @@ def _cond_branches():
   return smap(f, out_specs=P())(X)
 
 
+RAGGED_INTS = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+
+
+def _ragged(**override):
+  """A ragged_all_to_all_start with one argument replaced."""
+  def f(v):
+    args = dict(operand=v, output=jnp.zeros_like(v),
+                **{k: jnp.zeros(2, jnp.int32) for k in RAGGED_INTS})
+    args.update(override)
+    return jo.ragged_all_to_all_start(**args, axis_name="i").done()
+  return smap(f)(X)
+
+
 def _static_argument():
   f = jo.program_order(lambda x, n: jnp.ones((n,)) * x.sum(), enforce=True)
   return f(X, 3)
@@ -218,6 +231,31 @@ MISUSES = [
     ("not-an-array", "a string as the operand",
      lambda: smap(lambda v: jo.psum_start("abc", "i").done(), out_specs=P())(X),
      TypeError, r"psum_start: Value 'abc' .* is not a valid JAX array type"),
+    # --- ragged_all_to_all_start ------------------------------------------------------
+    ("ragged-offsets-dtype", "float offsets",
+     lambda: _ragged(input_offsets=jnp.zeros(2)),
+     TypeError, r"ragged_all_to_all_start\(input_offsets=\.\.\.\): input_offsets "
+     r"must be an integer array; got dtype float32"),
+    ("ragged-sizes-shape", "send_sizes of shape (2, 1)",
+     lambda: _ragged(send_sizes=jnp.ones((2, 1), jnp.int32)),
+     ValueError, r"ragged_all_to_all_start\(send_sizes=\.\.\.\): send_sizes must "
+     r"be a non-empty 1-D array .* got shape \(2, 1\)"),
+    ("ragged-lengths-differ", "recv_sizes of another length than the offsets",
+     lambda: _ragged(recv_sizes=jnp.ones(4, jnp.int32)),
+     ValueError, r"ragged_all_to_all_start: input_offsets, send_sizes, "
+     r"output_offsets and recv_sizes must have one length"),
+    ("ragged-chunks-not-divisible", "3 chunks over an axis of 2 devices",
+     lambda: _ragged(**{k: jnp.ones(3, jnp.int32) for k in RAGGED_INTS}),
+     ValueError, r"ragged_all_to_all_start\(input_offsets=\.\.\.\): the number of "
+     r"chunks \(3\) must be a multiple of the number of devices exchanging \(2\)"),
+    ("ragged-output-shape", "output rows of another width than operand's",
+     lambda: _ragged(output=jnp.zeros((4, 3))),
+     ValueError, r"ragged_all_to_all_start\(output=\.\.\.\): output's shape "
+     r"\(4, 3\) must be operand's \(4, 4\) but for its first dimension"),
+    ("ragged-output-dtype", "output of another dtype than operand",
+     lambda: _ragged(output=jnp.zeros((4, 4), jnp.int32)),
+     TypeError, r"ragged_all_to_all_start\(output=\.\.\.\): output's dtype int32 "
+     r"must be operand's \(float32\)"),
     # --- fsdp_scan -------------------------------------------------------------------
     ("fsdp-layer", "fsdp_scan(layer=42)",
      lambda: jo.fsdp_scan(42, X, {"w": jnp.ones((2, 4, 4))}, axis="i"),

@@ -74,7 +74,8 @@ N = 8                      # devices on the 8-device targets
 
 def ring(n):
   return [(i, (i + 1) % n) for i in range(n)]
-FUTURES = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
+FUTURES = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute",
+           "ragged_all_to_all")
 
 
 def _smap(t, f, in_specs, out_specs=P("x")):
@@ -116,6 +117,16 @@ def _start(kind, x, n):
     return jax_overlap.psum_scatter_start(x, "x", tiled=True)
   if kind == "all_to_all":
     return jax_overlap.all_to_all_start(x, "x", 0, 0, tiled=True)
+  if kind == "ragged_all_to_all":
+    # An even split: chunk j (rows j*c .. j*c+c) to device j, received into
+    # rows (sender)*c.
+    c = x.shape[0] // n
+    me = jax.lax.axis_index("x")
+    sizes = jnp.full((n,), c, jnp.int32)
+    offsets = jnp.arange(n, dtype=jnp.int32) * c
+    return jax_overlap.ragged_all_to_all_start(
+        x, jnp.zeros_like(x), offsets, sizes, jnp.full((n,), me * c, jnp.int32),
+        sizes, axis_name="x")
   return jax_overlap.ppermute_start(x, "x", ring(n))
 
 
@@ -288,13 +299,18 @@ def test_compiled_schedule_keeps_written_order(name):
   assert all(kept[c, True][0] and len(kept[c, True][1]) >= 3 for c in st.CASES), kept
 
 
-# --- the five futures ----------------------------------------------------------
+# --- the six futures ----------------------------------------------------------
 
 #: (target, future) pairs the compiler cannot take as an async pair: the
 #: library lowers them synchronously and says so once. (None left with
 #: jax 0.12: on TPU psum, psum_scatter and all_to_all, and all_gather on
 #: v5p, are async as their TPU form, an all-to-all; tests/aot/tpu_forms_compiled_test.py.)
-SYNC_ON: set = set()
+#: ragged_all_to_all_start everywhere: XLA's async custom calls have no
+#: ragged all-to-all ("No registered implementation for custom call to
+#: ragged-all-to-all-start for platform CUDA"; TPU: "Custom emitter for
+#: ragged-all-to-all-start not found"), so its real op runs whole at the
+#: start, and the fences keep it synchronous.
+SYNC_ON: set = {(name, "ragged_all_to_all") for name in compilers.TARGETS}
 #: Of SYNC_ON, those compiled synchronous with nothing said.
 NOT_WARNED_YET: dict = {}
 _TPU_FORM_KIND = {"psum": "all-to-all", "psum_scatter": "all-to-all",
@@ -302,7 +318,8 @@ _TPU_FORM_KIND = {"psum": "all-to-all", "psum_scatter": "all-to-all",
 _V5P_FORM_KIND = dict(_TPU_FORM_KIND, all_gather="all-to-all")
 _HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
              "psum_scatter": "reduce-scatter", "all_to_all": "all-to-all",
-             "ppermute": "collective-permute"}
+             "ppermute": "collective-permute",
+             "ragged_all_to_all": "ragged-all-to-all"}
 
 
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_a100",
@@ -324,11 +341,37 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
     assert not pairs, pairs
     if not warned and (name, kind) in NOT_WARNED_YET:
       pytest.xfail(NOT_WARNED_YET[name, kind])
-    assert any(f"{kind}_start on tpu" in m for m in warned), warned
+    platform = "tpu" if name.startswith("tpu") else "cuda"
+    assert any(f"{kind}_start on {platform}" in m for m in warned), warned
     return
   assert len(pairs) == 1, schedule.windows(text)
   assert pairs[0].matmuls >= 1, pairs[0]
   assert not warned, warned
+
+
+@needs_pairs
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def test_ragged_future_outside_program_order_is_the_compilers_to_schedule(name):
+  # What the README says of ragged_all_to_all_start outside program_order:
+  # libtpu makes the real op async by itself, around the independent matmul;
+  # the H100 compiler keeps it synchronous. When either changes, this fails.
+  t = target(name)
+
+  def f(x, w):
+    future = _start("ragged_all_to_all", x, t.n)
+    y = jnp.tanh(w @ w)
+    return (future.done().sum() + y.sum())[None]
+  not_async._warned.clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = compiled_text(_smap(t, f, (P("x"), P())),
+                         arg(t, (16 * t.n, 16), P("x")), arg(t, (16, 16)))
+  pairs = _async(text, "ragged-all-to-all")
+  if t.is_tpu:
+    assert len(pairs) == 1 and pairs[0].matmuls >= 1, schedule.windows(text)
+  else:
+    assert not pairs, pairs
+  assert any("ragged_all_to_all_start on" in str(w.message) for w in caught)
 
 
 @needs_pairs

@@ -37,7 +37,8 @@ LABEL = {"tpu_v5e": "TPU v5e 2x4", "tpu_v5p": "TPU v5p 2x2x2",
          "gpu_h100_2x8": "GPU H100 2 hosts x 8"}
 #: (column, program key, extra args) of the futures table.
 COLUMNS = [(f"`{k}_start`", "future", (k,)) for k in
-           ("all_gather", "ppermute", "psum", "psum_scatter", "all_to_all")] + [
+           ("all_gather", "ppermute", "psum", "psum_scatter", "all_to_all",
+            "ragged_all_to_all")] + [
     ("`fsdp_scan` fwd", "fsdp", (False, True)),    # buckets on, the default
     ("`fsdp_scan` grad", "fsdp", (True, True)),
     ("`fsdp_scan` explicit, grad", "fsdp_explicit", (True,)),

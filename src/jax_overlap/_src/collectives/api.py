@@ -12,6 +12,7 @@ from jax._src import traceback_util
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - registers rules
+from jax_overlap._src.collectives import ragged as _ragged
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
 from jax_overlap._src.collectives.comm import Comm, trace_sync
 from jax_overlap._src.ordering import compile_options as _compile_options  # noqa: F401 - installs its hook
@@ -23,12 +24,16 @@ source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)
 
 
-def _start_future(name: str, fn, x, params=None) -> Future:
+def _start_future(name: str, fn, x, params=None, *, aux=(),
+                  cpu_fn=None) -> Future:
+  """The future of `fn(x, *aux)`; `cpu_fn` computes the same where XLA:CPU
+  cannot run `fn`'s collective."""
   where = user_frame()
   try:
     if not isinstance(x, (jax.Array, core.Tracer)):
       x = jax.numpy.asarray(x)
-    jaxpr = trace_sync(fn, x)
+    jaxpr = trace_sync(fn, x, *aux)
+    cpu_jaxpr = None if cpu_fn is None else trace_sync(cpu_fn, x, *aux)
   except (NameError, TypeError, ValueError) as e:
     # jax's own message, said of the call the user wrote (as the builtin
     # class: jax's subclasses take other constructor arguments).
@@ -36,14 +41,14 @@ def _start_future(name: str, fn, x, params=None) -> Future:
     raise kind(f"{name}_start: {e}") from None
   form = None if params is None else _tpu_forms.trace_form(name, params, x)
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state, form)
-  in_flight, operand = start(comm, x)
+  comm = Comm(name, jaxpr, state, form, cpu_jaxpr)
+  in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
-                functools.partial(_finish_future, comm))
+                functools.partial(_finish_future, comm, tuple(aux)))
 
 
-def _finish_future(comm: Comm, value, operand):
-  return finish(value, operand, comm)
+def _finish_future(comm: Comm, aux, value, operand):
+  return finish(value, operand, comm, aux)
 
 
 
@@ -220,3 +225,79 @@ def ppermute_start(x, axis_name, perm) -> Future:
   fn = lambda v: jax.lax.ppermute(v, axis_name, perm)
   return _start_future("ppermute", fn, x)
 
+
+
+def ragged_all_to_all_start(operand, output, input_offsets, send_sizes,
+                            output_offsets, recv_sizes, *, axis_name,
+                            axis_index_groups=None) -> Future:
+  """Starts `jax.lax.ragged_all_to_all(operand, output, ...)`; returns its
+  `Future`.
+
+  Chunk `i` of this device, `operand[input_offsets[i]:][:send_sizes[i]]`,
+  goes to device `i // (K / axis size)` and is written there at row
+  `output_offsets[i]`; `recv_sizes[i]` is the size of the chunk received in
+  slot `i`. Rows of `output` that nothing is written to keep their value.
+
+  On GPU and TPU this is the real ragged all-to-all, run whole where the
+  future starts: XLA has no async form of it that a program can place, so
+  under `program_order` nothing is in flight between start and `done()` (a
+  `CollectiveNotAsyncWarning` says so; outside it libtpu makes it async by
+  itself, the GPU compiler does not). XLA:CPU cannot run one
+  (no jax has it there), so on CPU the future runs the same exchange as one
+  dense all-to-all of every chunk padded to `min(N, M)` rows (and of
+  `output_offsets`), with gathers by the offsets on each side: the same
+  values, `K` times the bytes, and (like every collective on CPU) blocking.
+
+  Args:
+    operand: `[N, ...]`, the rows to send, inside `jax.shard_map`.
+    output: `[M, ...]` (same trailing shape and dtype), the buffer received
+      rows are written into; its other rows pass through.
+    input_offsets, send_sizes, output_offsets, recv_sizes: 1-D integer
+      arrays of one length `K`, a multiple of the number of devices, as in
+      `jax.lax.ragged_all_to_all`.
+    axis_name: the mesh axis name (or tuple of names).
+    axis_index_groups: as in `jax.lax.ragged_all_to_all`.
+
+  Returns:
+    A `Future`; its `done()` returns `jax.lax.ragged_all_to_all`'s value
+    (`[M, ...]`). Gradients flow to `operand` and `output`, none to the
+    integer arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import jax_overlap
+    >>> mesh = jax.make_mesh((2,), ('i',),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> # device 0 sends 1 row to itself and 2 to device 1; device 1 sends
+    >>> # 2 rows to device 0 and 1 to itself. Received rows go to the front.
+    >>> sizes = jnp.array([[1, 2], [2, 1]])
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P('i'), out_specs=P('i'))
+    ... def f(x):
+    ...   d = jax.lax.axis_index('i')
+    ...   send = sizes[d]
+    ...   recv = sizes[:, d]
+    ...   in_off = jnp.cumsum(send) - send
+    ...   out_off = jnp.array([[0, 0], [1, 2]])[d]
+    ...   fut = jax_overlap.ragged_all_to_all_start(
+    ...       x, jnp.zeros_like(x), in_off, send, out_off, recv,
+    ...       axis_name='i')
+    ...   return fut.done()
+    >>> f(jnp.arange(1.0, 7.0))
+    Array([1., 4., 5., 2., 3., 6.], dtype=float32)
+  """
+  check_axis_name("ragged_all_to_all", axis_name)
+  operand, output = jax.numpy.asarray(operand), jax.numpy.asarray(output)
+  ints = tuple(jax.numpy.asarray(a) for a in (
+      input_offsets, send_sizes, output_offsets, recv_sizes))
+  _ragged.check_arguments(operand, output, ints,
+                          _ragged.group_size(axis_name, axis_index_groups))
+  if axis_index_groups is not None:
+    axis_index_groups = tuple(tuple(int(i) for i in g)
+                              for g in axis_index_groups)
+  n_rows = operand.shape[0]
+  stacked = jax.numpy.concatenate([operand, output], axis=0)
+  args = (n_rows, axis_name, axis_index_groups)
+  return _start_future("ragged_all_to_all", _ragged.by_real_op(*args), stacked,
+                       aux=ints, cpu_fn=_ragged.by_dense_all_to_all(*args))

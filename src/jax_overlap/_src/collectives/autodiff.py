@@ -1,6 +1,7 @@
 """jvp and transposition of the collective primitives.
 
-All five collectives are linear. The jvp of a start is a start on the
+All six collectives are linear in their operand (a ragged all-to-all's
+integer offsets and sizes, `aux`, ride along undifferentiated). The jvp of a start is a start on the
 tangent. For transposition the two halves trade places: the transpose of
 `done` is the *start* of the transposed collective (all_gather <->
 psum_scatter, psum <-> psum (or jax's pvary), all_to_all with its axes
@@ -26,12 +27,12 @@ from jax_overlap._src.collectives.primitives import (
 
 
 def _start_jvp(primals, tangents, *, comm):
-  (x,), (t,) = primals, tangents
-  outs = collective_start_p.bind(x, comm=comm)
+  (x, *aux), (t, *_) = primals, tangents
+  outs = collective_start_p.bind(x, *aux, comm=comm)
   if type(t) is ad_util.Zero:
     return outs, [ad_util.Zero(comm.flight_aval.to_tangent_aval()),
                   ad_util.Zero(comm.in_aval.to_tangent_aval())]
-  return outs, collective_start_p.bind(t, comm=comm)
+  return outs, collective_start_p.bind(t, *aux, comm=comm)
 
 
 def _done_jvp(primals, tangents, *, comm):
@@ -42,8 +43,9 @@ def _done_jvp(primals, tangents, *, comm):
         else core.get_aval(primals[0])
     return out, ad_util.Zero(out_aval.to_tangent_aval())
   t_args = [t_flight]
-  if len(tangents) == 2 and type(tangents[1]) is not ad_util.Zero:
+  if len(tangents) >= 2 and type(tangents[1]) is not ad_util.Zero:
     t_args.append(tangents[1])
+    t_args.extend(primals[2:])   # aux: primal integers
   return out, collective_done_p.bind(*t_args, comm=comm)
 
 
@@ -52,6 +54,8 @@ ad.primitive_jvps[collective_done_p] = _done_jvp
 
 
 def _done_transpose(ct, in_flight, *operand, comm):
+  operand, aux = operand[:1], operand[1:]
+  no_aux = [None] * len(aux)
   if not operand:
     # The operand slot was lost at a boundary: pass the cotangent through
     # (through the TPU form's done, if any), and the start's transpose runs
@@ -62,36 +66,37 @@ def _done_transpose(ct, in_flight, *operand, comm):
   flight_aval = _aval(in_flight).to_tangent_aval()
   if type(ct) is ad_util.Zero:
     return [ad_util.Zero(flight_aval),
-            ad_util.Zero(_aval(operand[0]).to_tangent_aval())]
+            ad_util.Zero(_aval(operand[0]).to_tangent_aval()), *no_aux]
   # Start the transposed collective here, where the forward one finished.
-  t_flight, _ = start(transposed(comm, ct), ct)
-  return [ad_util.Zero(flight_aval), t_flight]
+  t_flight, _ = start(transposed(comm, ct, aux), ct, *aux)
+  return [ad_util.Zero(flight_aval), t_flight, *no_aux]
 
 
 def _aval(x):
   return x.aval if ad.is_undefined_primal(x) else core.get_aval(x)
 
 
-def _start_transpose(cts, x, *, comm):
+def _start_transpose(cts, x, *aux, comm):
   del x
+  no_aux = [None] * len(aux)
   ct_flight, ct_operand = cts
   total = None
   if type(ct_operand) is not ad_util.Zero:
     # The transposed collective is in flight since the forward done: end it
     # (it was started without a TPU form: its done is the plain one).
-    plain = comm if comm.tpu_form is None else Comm(comm.name, comm.jaxpr,
-                                                    comm.state)
+    plain = comm if comm.tpu_form is None else Comm(
+        comm.name, comm.jaxpr, comm.state, cpu_jaxpr=comm.cpu_jaxpr)
     total = finish(ct_operand, None, plain)
   if type(ct_flight) is not ad_util.Zero and comm.tpu_form is not None:
     whole = _backward(comm.tpu_form.start, ct_flight)
     total = whole if total is None else total + whole
   elif type(ct_flight) is not ad_util.Zero:
-    t_comm = transposed(comm, ct_flight)
-    whole = finish(*start(t_comm, ct_flight), t_comm)
+    t_comm = transposed(comm, ct_flight, aux)
+    whole = finish(*start(t_comm, ct_flight, *aux), t_comm, aux)
     total = whole if total is None else total + whole
   if total is None:
-    return [ad_util.Zero(comm.in_aval.to_tangent_aval())]
-  return [total]
+    return [ad_util.Zero(comm.in_aval.to_tangent_aval()), *no_aux]
+  return [total, *no_aux]
 
 
 def _backward(closed, ct):

@@ -19,16 +19,38 @@ class Comm:
     state: the `FutureState` shared by every copy of the future.
     tpu_form: the collective as the TPU compiler takes it async
       (`tpu_forms.Form`), or None.
-  Compared by identity, like a jaxpr.
+    cpu_jaxpr: the same collective (same inputs and values) by ops XLA:CPU
+      runs, where XLA:CPU cannot run `jaxpr`'s (ragged all-to-all); None
+      where `jaxpr` runs everywhere.
+  `jaxpr` takes the operand `x` first and then the collective's integer
+  arguments (`aux`: a ragged all-to-all's offsets and sizes), which are
+  passed along the primitives (never differentiated). Compared by identity,
+  like a jaxpr.
   """
 
-  __slots__ = ("name", "jaxpr", "state", "tpu_form")
+  __slots__ = ("name", "jaxpr", "state", "tpu_form", "cpu_jaxpr")
 
-  def __init__(self, name: str, jaxpr, state: FutureState, tpu_form=None):
+  def __init__(self, name: str, jaxpr, state: FutureState, tpu_form=None,
+               cpu_jaxpr=None):
     self.name = name
     self.jaxpr = jaxpr
     self.state = state
     self.tpu_form = tpu_form
+    self.cpu_jaxpr = cpu_jaxpr
+
+  def jaxpr_for(self, platforms) -> object:
+    """The jaxpr to run or lower for `platforms` (a tuple of names)."""
+    if self.cpu_jaxpr is not None and "cpu" in tuple(platforms):
+      return self.cpu_jaxpr
+    return self.jaxpr
+
+  @property
+  def n_aux(self) -> int:
+    return len(self.jaxpr.in_avals) - 1
+
+  @property
+  def aux_avals(self):
+    return list(self.jaxpr.in_avals[1:])
 
   def __repr__(self):
     return f"Comm({self.name})"
@@ -50,32 +72,40 @@ class Comm:
     return self.out_aval
 
 
-def trace_sync(fn, x):
-  """The closed jaxpr of `fn` on a value like `x`, in the current axis env."""
-  traced = jax.jit(fn).trace(x)
+def trace_sync(fn, x, *aux):
+  """The closed jaxpr of `fn` on values like `x` (and `aux`), in the current
+  axis env."""
+  traced = jax.jit(fn).trace(x, *aux)
   return traced.jaxpr
 
 
-def transposed(comm: Comm, ct) -> Comm:
-  """The collective that carries cotangents of `comm` back (y -> x), traced
-  on the cotangent `ct` so it has its exact type."""
-  jaxpr = _compat.open_jaxpr(comm.jaxpr)
-  consts = _compat.jaxpr_consts(comm.jaxpr)
-  x_aval = comm.in_aval
+def _transpose_of(closed, x_aval):
+  jaxpr = _compat.open_jaxpr(closed)
+  consts = _compat.jaxpr_consts(closed)
 
-  def transpose(ct):
-    (ct_x,) = ad.backward_pass(jaxpr, False, consts,
-                               [ad.UndefinedPrimal(x_aval)], [ct])
+  def transpose(ct, *aux):
+    (ct_x, *_) = ad.backward_pass(jaxpr, False, consts,
+                                  [ad.UndefinedPrimal(x_aval), *aux], [ct])
     if type(ct_x) is ad_util.Zero:
       ct_x = ad.instantiate_zeros(ct_x)
     return ct_x
+  return transpose
 
+
+def transposed(comm: Comm, ct, aux=()) -> Comm:
+  """The collective that carries cotangents of `comm` back (y -> x), traced
+  on the cotangent `ct` (and `comm`'s integer arguments `aux`) so it has its
+  exact type."""
+  cpu = None
+  if comm.cpu_jaxpr is not None:
+    cpu = trace_sync(_transpose_of(comm.cpu_jaxpr, comm.in_aval), ct, *aux)
   return Comm(_TRANSPOSED_NAME.get(comm.name, comm.name),
-              trace_sync(transpose, ct),
+              trace_sync(_transpose_of(comm.jaxpr, comm.in_aval), ct, *aux),
               FutureState(comm.name + "_transpose", comm.state.where,
-                          internal=True))
+                          internal=True), cpu_jaxpr=cpu)
 
 
 _TRANSPOSED_NAME = {"all_gather": "psum_scatter", "psum_scatter": "all_gather",
                     "psum": "psum", "all_to_all": "all_to_all",
-                    "ppermute": "ppermute"}
+                    "ppermute": "ppermute",
+                    "ragged_all_to_all": "ragged_all_to_all"}

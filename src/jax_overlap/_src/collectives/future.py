@@ -144,7 +144,7 @@ class Future:
   """A started collective; `done()` finishes it and returns its value.
 
   Made by `all_gather_start`, `psum_start`, `psum_scatter_start`,
-  `all_to_all_start` and `ppermute_start`. Finish each future exactly once,
+  `all_to_all_start`, `ppermute_start` and `ragged_all_to_all_start`. Finish each future exactly once,
   inside the jit that started it. Between start and `done()` the
   communication may run at the same time as the code written in between;
   under `program_order(enforce=True)` that order is kept.

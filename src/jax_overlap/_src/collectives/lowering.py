@@ -51,12 +51,22 @@ _ASYNC_NAME = {
 }
 
 
-def _lower_start(ctx, x, *, comm, split):
+def _lower_start(ctx, x, *aux, comm, split):
   check_finished(comm)
   if comm.tpu_form is not None:
     return [_lower_form_start(ctx, x, comm, split=split), x]
-  sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.out_aval])
-  (y,) = _compat.lower_jaxpr_inline(sub_ctx, comm.jaxpr, x)
+  sub_ctx = ctx.replace(avals_in=[comm.in_aval, *comm.aux_avals],
+                        avals_out=[comm.out_aval])
+  jaxpr = comm.jaxpr_for(_platforms(ctx))
+  (y,) = _compat.lower_jaxpr_inline(sub_ctx, jaxpr, x, *aux)
+  if jaxpr is comm.cpu_jaxpr:
+    # Its collective is a dense all-to-all inside more ops: whole, like every
+    # collective on CPU (values only; XLA:CPU blocks on collectives anyway).
+    return [y, x]
+  ragged = _ragged_op(y)
+  if ragged is not None:
+    _say_ragged_is_sync(ctx, ragged)
+    return [y, x]
   op = _collective_op(y)
   if op is not None and split and _sync_on_this_platform(ctx, op):
     op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
@@ -284,6 +294,43 @@ def _collective_op(y):
   if op.name not in _ASYNC_NAME or len(op.results) != 1:
     return None
   return op
+
+
+def _ragged_op(y):
+  """The `ragged_all_to_all` custom call `y` comes from, or None."""
+  owner = y.owner
+  if isinstance(owner, ir.Block):
+    return None
+  op = owner.operation if hasattr(owner, "operation") else owner
+  if op.name == "stablehlo.custom_call" and _target(op) == "ragged_all_to_all":
+    return op
+  return None
+
+
+def _say_ragged_is_sync(ctx, op) -> None:
+  """The real ragged all-to-all stays whole where the future starts: XLA's
+  async custom calls (jax 0.12) take the five other collectives only
+  ("No registered implementation for custom call to ragged-all-to-all-start
+  for platform CUDA"; TPU: "Custom emitter for ragged-all-to-all-start not
+  found"), and an ordered block's fences then finish it there."""
+  op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
+  accelerators = [p for p in _platforms(ctx) if p != "cpu"]
+  if not accelerators:
+    return
+  platform = "/".join(accelerators)
+  not_async.warn_once(f"future:{platform}:ragged-all-to-all", (
+      f"ragged_all_to_all_start on {platform}: XLA has no async ragged "
+      "all-to-all pair a program can place (jax 0.12's async custom calls "
+      "take all-gather, all-reduce, reduce-scatter, all-to-all and "
+      "collective-permute only; measured with libtpu 0.0.52 and the CUDA "
+      "plugin 0.12.0.1), so the "
+      "ragged all-to-all runs whole where the future starts: inside "
+      "program_order nothing is in flight between start and done() (values "
+      "unchanged; outside program_order XLA may still make it async, as "
+      "TPU's compiler does). To overlap it under program_order, send "
+      "fixed-capacity buffers with all_to_all_start instead. Silence with "
+      "warnings.filterwarnings('ignore', "
+      "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
 def _replica_groups(ctx, comm: Comm) -> list[list[int]] | None:

@@ -29,8 +29,8 @@ class FutureNotFinishedError(RuntimeError):
 def _start_dce(used_outputs, eqn):
   if not any(used_outputs):
     check_finished(eqn.params["comm"])
-    return [False], None
-  return [True], eqn
+    return [False] * len(eqn.invars), None
+  return [True] * len(eqn.invars), eqn
 
 
 def _done_dce(used_outputs, eqn):

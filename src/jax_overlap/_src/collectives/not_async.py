@@ -9,6 +9,8 @@ Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
   several axis names, vmap, a transpose made by autodiff), and the futures in
   TPU form of a program holding more than one where libtpu refuses them in
   flight (it allows one async all-to-all at a time) or aborts on them (v5p);
+  and a `ragged_all_to_all_start` on GPU or TPU (XLA has no async custom call
+  for it: the real op runs whole at the start);
 * a plain synchronous collective (`jax.lax.all_gather`, `psum`, ...) inside
   an ordered block compiled for TPU or GPU: the fences keep it synchronous
   where XLA left to itself would have made it async. Use its `*_start`

@@ -19,7 +19,8 @@ KERNEL_PRIMITIVES = frozenset({
 #: Our collectives (`Comm.name`) by the HLO collective they lower to.
 HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
             "psum_scatter": "reduce-scatter", "all_to_all": "all-to-all",
-            "ppermute": "collective-permute"}
+            "ppermute": "collective-permute",
+            "ragged_all_to_all": "ragged-all-to-all"}
 
 _SHORT_DTYPES = {"bool": "pred", "bfloat16": "bf16"}
 _NUMERIC_DTYPE = re.compile(r"(float|int|uint|complex)(\d+)(?:_(\w+))?")
