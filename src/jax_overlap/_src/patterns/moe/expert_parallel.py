@@ -11,8 +11,9 @@ import numpy as np
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.moe.arguments import (Call, check_call,
                                                      check_expert_output)
-from jax_overlap._src.patterns.moe.layout import (dispatch_layout, pack,
-                                                  slots_per_expert, unpack)
+from jax_overlap._src.patterns.moe.layout import (dispatch_layout,
+                                                  gather_rows,
+                                                  slots_per_expert)
 from jax_overlap._src.patterns.moe.pipeline import exchange_pipeline
 from jax_overlap._src.patterns.moe.transport import choose_transport
 from jax_overlap._src.patterns.moe.varying import vary_like
@@ -109,7 +110,7 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
                                                           axis=axis)
   expert_params = jax.tree.map(lambda p: vary_like(p, every, axis=axis),
                                expert_params)
-  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = _per_expert(call)
   layout = dispatch_layout(jnp.asarray(expert_ids), experts=call.experts,
                            chunks=call.chunks, capacity=call.capacity,
                            per_expert=per_expert)
@@ -120,7 +121,8 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   one_expert = jax.tree.map(lambda p: p[0], expert_params)
   closed_fn, consts = jax.closure_convert(expert_fn, one_expert, example)
   y = _expert_parallel(call, closed_fn, x, weights,
-                       (expert_params, tuple(consts)), layout.slots)
+                       (expert_params, tuple(consts)), layout.pair_in_slot,
+                       layout.slot_of_pair)
   return y if call.capacity is None else (y, layout.dropped)
 
 
@@ -152,77 +154,74 @@ def _from_experts(call: Call, out):
   return out.reshape(e, n, rows // n, d).transpose(1, 0, 2, 3)
 
 
+def _per_expert(call: Call) -> int:
+  return slots_per_expert(call.tokens, call.k, call.capacity, call.chunks)
+
+
 def _as_buffer(call: Call, flat):
-  """[E * C, D] -> [axis_size, E_local, C, D], block d for device d."""
+  """[E * C_c, D] -> [axis_size, E_local, C_c, D], block d for device d."""
   rows, d = flat.shape
   return flat.reshape(call.size, call.experts_local,
                       rows // call.experts, d)
 
 
-def _chunk(a, call: Call, c: int):
-  n = call.tokens_per_chunk
-  return a[c * n:(c + 1) * n]
+def _per_pair(call: Call, returned, slot_of_pair):
+  """Each (token, choice)'s row, [T, k, D], of the chunks' returned buffers
+  ([axis_size, E_local, C_c, D] each, block s from device s: its experts'
+  slots); 0 for a dropped pair."""
+  stacked = jnp.concatenate([r.reshape(-1, r.shape[-1]) for r in returned])
+  return gather_rows(stacked, slot_of_pair).reshape(call.tokens, call.k, -1)
 
 
-def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
+def _forward(call: Call, expert_fn, x, weights, params, pair_in_slot,
+             slot_of_pair, *, save: bool):
   """(y, residuals): with `save`, the tokens each expert received (per
   chunk) and each (token, choice)'s expert output; else None."""
   transport = choose_transport(call.axis, call.size)
-  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
 
   def send(c):
-    rows = jnp.repeat(_chunk(x, call, c), call.k, axis=0)   # one per choice
-    return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 per_expert=per_expert, like=x))
+    # Slot -> its pair's token (pair // k); an empty slot's T reads 0.
+    return _as_buffer(call, gather_rows(x, pair_in_slot[c] // call.k))
 
   def compute(c, arrived):
     tokens = _to_experts(call, arrived)
     out = _run_experts(call, expert_fn, params, tokens)
     return _from_experts(call, out), (tokens if save else None)
 
-  def receive(c, returned):
-    outs = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
-    outs = outs.reshape(call.tokens_per_chunk, call.k, -1)
-    w = _chunk(weights, call, c).astype(jnp.result_type(weights, outs))
-    return jnp.einsum("tk,tkd->td", w, outs), (outs if save else None)
-
   with moving("tokens"):
-    results, received = exchange_pipeline(transport, call.chunks, send=send,
-                                           compute=compute, receive=receive)
-  y = jnp.concatenate([r[0] for r in results])
+    returned, received = exchange_pipeline(transport, call.chunks, send=send,
+                                           compute=compute)
+  outs = _per_pair(call, returned, slot_of_pair)
+  w = weights.astype(jnp.result_type(weights, outs))
+  y = jnp.einsum("tk,tkd->td", w, outs)
   if not save:
     return y, None
-  return y, (received, jnp.concatenate([r[1] for r in results]))
+  return y, (received, outs)
 
 
-def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
-              dy):
+def _backward(call: Call, expert_fn, weights, params, pair_in_slot,
+              slot_of_pair, received, outs, dy):
   transport = choose_transport(call.axis, call.size)
-  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
   experts = lambda p, t: _all_experts(expert_fn, p, t)
+  weight_of_pair = weights.reshape(-1).astype(dy.dtype)
 
   def send(c):
-    # The cotangent of each (token, choice)'s output: its weight times dy.
-    dy_c = _chunk(dy, call, c)
-    w_c = _chunk(weights, call, c).astype(dy.dtype)
-    rows = (w_c[..., None] * dy_c[:, None, :]).reshape(-1, dy.shape[-1])
-    rows = rows.astype(outs.dtype)
-    return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 per_expert=per_expert, like=dy))
+    # The cotangent of each slot's (token, choice) output: its weight times
+    # its token's dy (0 for an empty slot).
+    pair = pair_in_slot[c]
+    rows = gather_rows(weight_of_pair, pair)[:, None] \
+        * gather_rows(dy, pair // call.k)
+    return _as_buffer(call, rows.astype(outs.dtype))
 
   def compute(c, arrived):
     _, pull = jax.vjp(experts, params, received[c])
     d_params, d_tokens = pull(_to_experts(call, arrived))
     return _from_experts(call, d_tokens), d_params
 
-  def receive(c, returned):
-    d_rows = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
-    return d_rows.reshape(call.tokens_per_chunk, call.k, -1).sum(axis=1)
-
   with moving("cotangents"):
-    dxs, d_params = exchange_pipeline(transport, call.chunks, send=send,
-                                      compute=compute, receive=receive)
-  dx = jnp.concatenate(dxs)
+    returned, d_params = exchange_pipeline(transport, call.chunks, send=send,
+                                           compute=compute)
+  dx = _per_pair(call, returned, slot_of_pair).sum(axis=1)
   d_params = jax.tree.map(_sum_over_chunks, *d_params)
   d_weights = jnp.einsum("td,tkd->tk", dy, outs.astype(dy.dtype))
   return dx, d_weights, d_params
@@ -240,24 +239,27 @@ def _cotangent_for(grad, primal):
   return grad.astype(primal.dtype)
 
 
-def _expert_parallel_impl(call, expert_fn, x, weights, params, slots):
-  return _forward(call, expert_fn, x, weights, params, slots, save=False)[0]
+def _expert_parallel_impl(call, expert_fn, x, weights, params, pair_in_slot,
+                          slot_of_pair):
+  return _forward(call, expert_fn, x, weights, params, pair_in_slot,
+                  slot_of_pair, save=False)[0]
 
 
-def _fwd(call, expert_fn, x, weights, params, slots):
-  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots,
-                                 save=True)
-  return y, (weights, params, slots, received, outs)
+def _fwd(call, expert_fn, x, weights, params, pair_in_slot, slot_of_pair):
+  y, (received, outs) = _forward(call, expert_fn, x, weights, params,
+                                 pair_in_slot, slot_of_pair, save=True)
+  return y, (weights, params, pair_in_slot, slot_of_pair, received, outs)
 
 
 def _bwd(call, expert_fn, residuals, dy):
-  weights, params, slots, received, outs = residuals
-  dx, d_weights, d_params = _backward(call, expert_fn, weights, params, slots,
-                                      received, outs, dy)
+  weights, params, pair_in_slot, slot_of_pair, received, outs = residuals
+  dx, d_weights, d_params = _backward(call, expert_fn, weights, params,
+                                      pair_in_slot, slot_of_pair, received,
+                                      outs, dy)
   d_params = jax.tree.map(_cotangent_for, d_params, params)
   # The tokens travelled in x's dtype.
-  return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype), d_params,
-          None)
+  return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype),
+          d_params, None, None)
 
 
 _expert_parallel = jax.custom_vjp(_expert_parallel_impl,

@@ -1,25 +1,25 @@
-"""The chunked schedule: each chunk's exchanges in flight beside the experts.
+"""The chunked schedule: one exchange in flight beside the experts each step.
 
-`exchange_pipeline` runs, for chunks `0 .. m-1`, a dispatch exchange
-(`send(c)` to the expert devices), the experts' work on what arrived
-(`compute(c, arrived)`), and a combine exchange of its reply back
-(`receive(c, returned)`). One `program_order(enforce=True)` block keeps this
-written order:
+`exchange_pipeline` runs, for chunks `0 .. m-1`, a dispatch (`send(c)` to
+the expert devices), the experts' work on what arrived (`compute(c,
+arrived)`) and a combine of its reply back. Each step's one all-to-all
+carries chunk c+1's dispatch and chunk c-1's combine together
+(`transport.start(dispatch, combine)`), so one exchange is in flight at a
+time (TPU v5e takes no more) while the experts compute chunk c. One
+`program_order(enforce=True)` block keeps this written order:
 
-    start dispatch 0
+    arrived_0 = exchange(send 0)                     (nothing to hide it)
     for c in 0 .. m-1:
-      arrived_c = dispatch c .done()
-      start dispatch c+1                      (its buffer built first)
-      reply_c = compute(c, arrived_c)         <- dispatch c+1 and combine c-1
-      receive(c-1, combine c-1 .done())          are in flight here
-      start combine c (reply_c)
-    receive(m-1, combine m-1 .done())
+      start exchange(send c+1, reply_{c-1})          (what exists of them)
+      reply_c = compute(c, arrived_c)                <- the exchange in flight
+      arrived_{c+1}, returned_{c-1} = its done()
+    returned_{m-1} = exchange(reply_{m-1})           (nothing to hide it)
 
-so at most two exchanges are in flight at once, both while the experts
-compute. The forward pass sends tokens and receives expert outputs; the
-backward pass sends output cotangents and receives token cotangents, the
-experts' backward in between: the same schedule. The pieces of compute
-(building a buffer, the experts, unpacking) are free blocks
+so a pass has m + 2 all-to-alls (2 when m = 1), each but the first and last
+beside the experts. The forward pass sends tokens and receives expert
+outputs; the backward pass sends output cotangents and receives token
+cotangents, the experts' backward in between: the same schedule. The pieces
+of compute (building a buffer, the experts) are free blocks
 (`program_order(enforce=False)`): XLA may fuse inside each, not across the
 fences.
 """
@@ -33,9 +33,8 @@ from jax_overlap import program_order
 
 def exchange_pipeline(transport, chunks: int, *,
                       send: Callable[[int], Any],
-                      compute: Callable[[int, Any], tuple[Any, Any]],
-                      receive: Callable[[int, Any], Any]):
-  """Runs the schedule above; returns `([receive(c, ...)], [extra_c])` with
+                      compute: Callable[[int, Any], tuple[Any, Any]]):
+  """Runs the schedule above; returns `([returned_c], [extra_c])` with
   `compute(c, arrived) -> (reply_c, extra_c)`."""
 
   def free(fn, *args):
@@ -43,18 +42,22 @@ def exchange_pipeline(transport, chunks: int, *,
 
   @program_order(enforce=True)
   def ordered():
-    results, extras = [None] * chunks, [None] * chunks
-    dispatch = transport.start(free(send, 0))
-    combine = None
+    returned, extras = [None] * chunks, [None] * chunks
+    (arrived,) = transport.start(free(send, 0)).done()
+    reply = None
     for c in range(chunks):
-      arrived = dispatch.done()
-      if c + 1 < chunks:
-        dispatch = transport.start(free(send, c + 1))
-      reply, extras[c] = free(compute, c, arrived)
-      if combine is not None:
-        results[c - 1] = free(receive, c - 1, combine.done())
-      combine = transport.start(reply)
-    results[chunks - 1] = free(receive, chunks - 1, combine.done())
-    return results, extras
+      outgoing = ([free(send, c + 1)] if c + 1 < chunks else []) \
+          + ([reply] if reply is not None else [])
+      exchange = transport.start(*outgoing) if outgoing else None
+      new_reply, extras[c] = free(compute, c, arrived)
+      if exchange is not None:
+        got = list(exchange.done())
+        if c + 1 < chunks:
+          arrived = got.pop(0)
+        if reply is not None:
+          returned[c - 1] = got.pop(0)
+      reply = new_reply
+    (returned[chunks - 1],) = transport.start(reply).done()
+    return returned, extras
 
   return ordered()
