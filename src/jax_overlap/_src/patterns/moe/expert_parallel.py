@@ -35,12 +35,13 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   (an all-to-all), runs `expert_fn` on each local expert's tokens, sends
   the outputs back (a second all-to-all) and combines them.
 
-  The tokens are split into `chunks`: the dispatch of chunk c+1 and the
-  combine of chunk c-1 are in flight while the experts compute chunk c,
-  every step fenced with `program_order`. The backward pass (a
-  `jax.custom_vjp`) is overlapped the same way: output cotangents travel to
-  the experts while the experts' backward of the chunk before runs, and
-  token cotangents travel back. Gradients flow to `x`, `weights` and
+  The exchange is split into `chunks` (of each expert's slots, below): one
+  all-to-all carrying the dispatch of chunk c+1 and the combine of chunk
+  c-1 is in flight while the experts compute chunk c, every step fenced
+  with `program_order` (one exchange in flight at a time: TPU v5e takes no
+  more). The backward pass (a `jax.custom_vjp`) is overlapped the same way:
+  output cotangents travel to the experts while the experts' backward of
+  the chunk before runs, and token cotangents travel back. Gradients flow to `x`, `weights` and
   `expert_params`, not to `expert_ids`. The tokens each expert received are
   saved for the backward pass, which runs `expert_fn` again under
   `jax.vjp` (its internals are not saved).
@@ -48,10 +49,12 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   Capacity: within each (source device, expert) pair, (token, choice) pairs
   claim capacity in token order, then choice order, over all of this
   device's tokens (so what is dropped does not depend on `chunks`); pairs
-  over it contribute 0. Each chunk's buffers hold `min(capacity,
-  T / chunks * k)` rows per expert. `capacity=None` is dropless: every
-  backend gets padded buffers of the worst case, `T / chunks * k` rows per
-  expert (a ragged all-to-all is not used yet: XLA:CPU cannot run one).
+  over it contribute 0. Each expert has `C = min(capacity, T * k)` slots
+  for this device, and chunk c sends slots `[c * C / chunks, (c + 1) * C /
+  chunks)` of every expert (`ceil(C / chunks)` rows each), so the chunks
+  together send what one exchange would. `capacity=None` is dropless: every
+  backend gets padded buffers of the worst case, `C = T * k` (a ragged
+  all-to-all is not used yet: XLA:CPU cannot run one).
 
   An id outside `[0, E)` is an error when `expert_ids` is known at the call
   (a NumPy array); a traced one cannot be checked and is dropped: that
@@ -71,8 +74,8 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
     axis: the mesh axis name (one name) the experts are spread over.
     capacity: rows each expert accepts from each source device, an int >= 1,
       or None (dropless).
-    chunks: how many chunks the tokens are split into (it must divide `T`);
-      1 overlaps nothing.
+    chunks: how many chunks each expert's slots are split into (it must
+      divide `T`); 1 overlaps nothing.
 
   Returns:
     `y`, `[T, D']`, or with a capacity `(y, dropped)`, `dropped` this
