@@ -9,10 +9,10 @@ four versions:
                          slots, as expert_parallel's), the experts run, one
                          `jax.lax.all_to_all` brings the results back; no
                          futures, no chunks, XLA's own schedule.
-  chunks=1, 2, 4         `jax_overlap.expert_parallel(..., chunks=c)`: the
-                         tokens in c chunks, chunk c+1's dispatch and chunk
-                         c-1's combine in flight while the experts compute
-                         chunk c.
+  chunks=1, 2, 4         `jax_overlap.expert_parallel(..., chunks=c)`: each
+                         expert's capacity slots in c chunks, one all-to-all
+                         carrying chunk c+1's dispatch and chunk c-1's
+                         combine in flight while the experts compute chunk c.
 
 each as the forward alone and as `value_and_grad` (of x, the combine weights
 and the expert weights). Each program is compiled ahead of time by the real

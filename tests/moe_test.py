@@ -268,18 +268,64 @@ def _overlap_case(n=4):
 
 
 def test_every_exchange_but_the_first_and_last_is_in_flight_beside_the_experts():
+  # A pass: chunk 0's dispatch, one exchange a step (chunk c+1's dispatch
+  # and chunk c-1's combine in one all-to-all), the last chunk's combine.
   f, grad, args = _overlap_case()
+  per_pass = CHUNKS + 2
   for fn, passes in ((f, 1), (grad, 2)):
     windows = _windows(fn, *args)
-    assert len(windows) == passes * 2 * CHUNKS, len(windows)
+    assert len(windows) == passes * per_pass, len(windows)
     for p in range(passes):
-      own = windows[p * 2 * CHUNKS:(p + 1) * 2 * CHUNKS]
+      own = windows[p * per_pass:(p + 1) * per_pass]
       # The experts' tanh (recomputed under jax.vjp in the backward pass).
       beside = ["tanh" in w for w in own]
-      assert beside == [False] + [True] * (2 * CHUNKS - 2) + [False], beside
-      # One exchange in flight at a time (TPU runs a second all-to-all
-      # synchronously; GPU limits concurrent collectives).
+      assert beside == [False] + [True] * CHUNKS + [False], beside
+      # One exchange in flight at a time (TPU v5e takes no more).
       assert not any("collective_start" in w for w in own), own
+
+
+def _sent_elements(fn, *args):
+  """Elements each device sends in the traced program's collectives."""
+  eqns = _flat_eqns(jax.jit(fn).trace(*args).jaxpr)
+  return sum(int(np.prod(eqn.invars[0].aval.shape)) for eqn in eqns
+             if eqn.primitive is collective_start_p)
+
+
+@pytest.mark.parametrize("capacity", [4, None], ids=["capacity4", "dropless"])
+def test_chunks_split_the_slots_so_chunking_adds_no_traffic(capacity):
+  # The chunks split each expert's capacity slots (chunk c sends slots
+  # [c * C / m, (c + 1) * C / m)), so a pass sends what one exchange sends
+  # whatever `chunks`: C = capacity (dropless T * k) slots an expert, out
+  # and back. Splitting the tokens instead made each chunk hold up to
+  # min(capacity, T / chunks * k) slots an expert: chunks times as many.
+  n, k = 2, 2
+  x, ids, weights, params = _inputs(n, 1, k)
+  slots = T * k if capacity is None else capacity
+  want = 2 * (n * 1) * slots * D          # dispatch + combine, E = n experts
+  for chunks in (1, 2):
+    f = lambda x, w, p: ours(n, chunks, capacity, "jit")(x, ids, w, p)[0]
+    assert _sent_elements(f, x, weights, params) == want, chunks
+
+
+def test_outputs_of_another_dtype_travel_in_the_same_exchange():
+  # The expert returns bfloat16 from float32 tokens: a step's one exchange
+  # carries both dtypes (as bytes), forward and backward.
+  n, k = 2, 2
+  x, ids, weights, params = _inputs(n, 1, k)
+  cast = lambda p, t: expert(p, t).astype(jnp.bfloat16)
+  def local(x, ids, w, p):
+    return jo.expert_parallel(cast, x, ids, w, p, axis="i", chunks=2)
+  f = jax.shard_map(local, mesh=_mesh(n), in_specs=(P("i"),) * 4,
+                    out_specs=P("i"))
+  dy = np.ones(x.shape, np.float32)
+  y, pull = jax.vjp(lambda x, w, p: f(x, ids, w, p), x, weights, params)
+  grads = jax.jit(pull)(dy)
+  want_y, want_grads = dense_reference(x, ids, weights, params,
+                                       np.ones(ids.shape, bool), dy)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), want_y, rtol=3e-2, atol=3e-2)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), b, rtol=5e-2, atol=5e-2)
 
 
 def test_axis_size_one_sends_nothing():
@@ -296,11 +342,10 @@ def test_compiled_cpu_schedule_keeps_the_written_order():
   order = lambda fn: lowered.scheduled_markers(
       jax.jit(fn).lower(*args).compile().as_text(), {"all-to-all", "tanh"})
   A, X = "all-to-all", "tanh"
-  # dispatch 0 | dispatch c+1, half of experts c, combine c-1, the other
-  # half | ... | combine 3 (XLA:CPU runs each all-to-all where it starts:
-  # it has no async ones).
-  one_pass = ([A] + [A, X, X] + [A, X, A, X] * (CHUNKS - 2) + [X, A, X]
-              + [A])
+  # dispatch 0 | exchange (dispatch c+1, combine c-1), experts c | ... |
+  # combine 3 (XLA:CPU runs each all-to-all where it starts: it has no
+  # async ones).
+  one_pass = [A] + [A, X] * CHUNKS + [A]
   assert order(f) == one_pass, order(f)
   # The backward pass: the same schedule (the experts' forward, and its tanh,
   # recomputed under jax.vjp).

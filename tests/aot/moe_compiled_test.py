@@ -1,14 +1,16 @@
 """expert_parallel on the real TPU v5e and H100 compilers, ahead of time.
 
 With `chunks=c`, a pass (the forward, or the backward of value_and_grad)
-has 2c all-to-alls: c dispatches and c combines. Chunk i+1's dispatch and
-chunk i-1's combine are in flight while the experts compute chunk i, so in
-the compiled schedule every all-to-all of a pass but
-its first (chunk 0's dispatch, before any expert runs) and its last (the
-last chunk's combine, after every expert ran) has an expert matmul between
-its start and its done. The expert's matmuls are found by name (a
-`jax.named_scope`, which the backward's transposed matmuls keep). H100
-has them all; TPU v5e half (SHORT_TODAY says why).
+has c + 2 all-to-alls: chunk 0's dispatch, then one a step carrying chunk
+i+1's dispatch and chunk i-1's combine together, in flight while the
+experts compute chunk i, then the last chunk's combine. So in the compiled
+schedule every all-to-all of a pass but its first (before any expert runs)
+and its last (after every expert ran) has an expert matmul between its
+start and its done, and no two are in flight at once (TPU v5e, libtpu
+0.0.52, takes one async all-to-all at a time: a second would be lowered
+synchronously, with a CollectiveNotAsyncWarning). The expert's matmuls are
+found by name (a `jax.named_scope`, which the backward's transposed matmuls
+keep).
 
 Shapes are tiny (32 tokens a device of width 16, 16 experts, 2 a device) and
 each program compiles once a module (`_compiled` caches by its arguments).
@@ -102,36 +104,15 @@ def _cases():
 
 CASES = list(_cases())
 
-#: TPU v5e: libtpu 0.0.52 takes one async all-to-all at a time, and the
-#: library lowers a future's all-to-all started while another is in flight
-#: synchronously (collectives/lowering.py, with a CollectiveNotAsyncWarning).
-#: expert_parallel's schedule starts chunk c+1's dispatch, then chunk c's
-#: combine while that dispatch is still in flight, so every combine but the
-#: last is synchronous: chunks - 1 of a pass's 2 (chunks - 1) all-to-alls are
-#: in flight (the dispatches). Measured 2026-12-01: 1 of 2, 3 of 6 (forward,
-#: chunks 2 and 4), 2 of 4, 6 of 12 (value_and_grad).
-_ONE_AT_A_TIME = (
-    "TPU v5e (libtpu 0.0.52) allows one async all-to-all at a time: each "
-    "combine is started while the next chunk's dispatch is in flight, so it is "
-    "lowered synchronously and only the dispatches overlap the experts; open "
-    "(issue 19)")
-#: (target, chunks, grad) -> why the overlap is short there today (xfail).
-SHORT_TODAY = {("tpu_v5e", chunks, grad): _ONE_AT_A_TIME
-               for chunks in (2, 4) for grad in (False, True)}
-
-
 @pytest.mark.parametrize("name,chunks,grad", CASES)
 def test_all_to_alls_are_in_flight_across_the_expert_matmuls(name, chunks, grad):
   text, warned = _compiled(name, chunks, grad)
   pairs = all_to_all_windows(text)
   in_flight = [w for w in pairs if any(map(is_expert_matmul, w.between))]
-  # Of each pass's 2 * chunks all-to-alls, all but its first and its last.
-  wanted = 2 * (chunks - 1) * (2 if grad else 1)
-  if len(in_flight) < wanted and (name, chunks, grad) in SHORT_TODAY:
-    # Short, but said: the user is told which futures run synchronously.
-    assert any("one async all-to-all at a time" in m for m in warned), warned
-    pytest.xfail(f"{SHORT_TODAY[name, chunks, grad]} (measured {len(in_flight)} of "
-                 f"{wanted})")
+  # Of each pass's chunks + 2 all-to-alls, all but its first and its last.
+  passes = 2 if grad else 1
+  wanted = chunks * passes
+  assert len(pairs) == (chunks + 2) * passes, len(pairs)
   assert len(in_flight) >= wanted, (
       f"{len(in_flight)} of {len(pairs)} async all-to-alls have an expert matmul "
       f"in flight; wanted {wanted}",

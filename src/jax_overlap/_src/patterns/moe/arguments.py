@@ -29,10 +29,6 @@ class Call(NamedTuple):
   def experts(self) -> int:
     return self.experts_local * self.size
 
-  @property
-  def tokens_per_chunk(self) -> int:
-    return self.tokens // self.chunks
-
 
 def _is_int(value) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(

@@ -11,8 +11,9 @@ import numpy as np
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.moe.arguments import (Call, check_call,
                                                      check_expert_output)
-from jax_overlap._src.patterns.moe.layout import (dispatch_layout, pack,
-                                                  slots_per_expert, unpack)
+from jax_overlap._src.patterns.moe.layout import (dispatch_layout,
+                                                  gather_rows,
+                                                  slots_per_expert)
 from jax_overlap._src.patterns.moe.pipeline import exchange_pipeline
 from jax_overlap._src.patterns.moe.transport import choose_transport
 from jax_overlap._src.patterns.moe.varying import vary_like
@@ -34,14 +35,13 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   (an all-to-all), runs `expert_fn` on each local expert's tokens, sends
   the outputs back (a second all-to-all) and combines them.
 
-  The tokens are split into `chunks`: the dispatch of chunk c+1 and the
-  combine of chunk c-1 are in flight while the experts compute chunk c,
-  one after the other (each beside half of the chunk's rows: one exchange
-  in flight at a time, which the TPU and GPU compilers keep async), every
-  step fenced with `program_order`. The backward pass (a
-  `jax.custom_vjp`) is overlapped the same way: output cotangents travel to
-  the experts while the experts' backward of the chunk before runs, and
-  token cotangents travel back. Gradients flow to `x`, `weights` and
+  The exchange is split into `chunks` (of each expert's slots, below): one
+  all-to-all carrying the dispatch of chunk c+1 and the combine of chunk
+  c-1 is in flight while the experts compute chunk c, every step fenced
+  with `program_order` (one exchange in flight at a time: TPU v5e takes no
+  more). The backward pass (a `jax.custom_vjp`) is overlapped the same way:
+  output cotangents travel to the experts while the experts' backward of
+  the chunk before runs, and token cotangents travel back. Gradients flow to `x`, `weights` and
   `expert_params`, not to `expert_ids`. The tokens each expert received are
   saved for the backward pass, which runs `expert_fn` again under
   `jax.vjp` (its internals are not saved).
@@ -49,11 +49,12 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   Capacity: within each (source device, expert) pair, (token, choice) pairs
   claim capacity in token order, then choice order, over all of this
   device's tokens (so what is dropped does not depend on `chunks`); pairs
-  over it contribute 0. Each chunk's buffers hold `min(capacity,
-  T / chunks * k)` rows per expert. `capacity=None` is dropless: every
-  backend gets padded buffers of the worst case, `T / chunks * k` rows per
-  expert (a ragged all-to-all is not used yet: XLA:CPU cannot run one, and
-  GPU and TPU would run it synchronously; see docs/moe.md).
+  over it contribute 0. Each expert has `C = min(capacity, T * k)` slots
+  for this device, and chunk c sends slots `[c * C / chunks, (c + 1) * C /
+  chunks)` of every expert (`ceil(C / chunks)` rows each), so the chunks
+  together send what one exchange would. `capacity=None` is dropless: every
+  backend gets padded buffers of the worst case, `C = T * k` (a ragged
+  all-to-all is not used yet: XLA:CPU cannot run one).
 
   An id outside `[0, E)` is an error when `expert_ids` is known at the call
   (a NumPy array); a traced one cannot be checked and is dropped: that
@@ -63,9 +64,8 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
     expert_fn: `expert_fn(expert_params_e, tokens) -> out`, one expert's
       parameters (the leaves of `expert_params` without their leading
       dimension) and its tokens `[C, D]`, returning `[C, D']`. Applied to
-      every local expert with `jax.vmap`. Rows must be independent (as in
-      any MoE expert): `tokens` holds padding rows, and a chunk's rows are
-      cut in two halves. Values it closes over are differentiated too.
+      every local expert with `jax.vmap`. Give it its parameters through
+      `expert_params`: values it closes over get no gradient.
     x: `[T, D]`, this device's tokens.
     expert_ids: `[T, k]` integers in `[0, E)`, each token's chosen experts.
     weights: `[T, k]`, their combine weights (floating point).
@@ -74,8 +74,8 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
     axis: the mesh axis name (one name) the experts are spread over.
     capacity: rows each expert accepts from each source device, an int >= 1,
       or None (dropless).
-    chunks: how many chunks the tokens are split into (it must divide `T`);
-      1 overlaps nothing.
+    chunks: how many chunks each expert's slots are split into (it must
+      divide `T`); 1 overlaps nothing.
 
   Returns:
     `y`, `[T, D']`, or with a capacity `(y, dropped)`, `dropped` this
@@ -113,7 +113,7 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
                                                           axis=axis)
   expert_params = jax.tree.map(lambda p: vary_like(p, every, axis=axis),
                                expert_params)
-  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
+  per_expert = _per_expert(call)
   layout = dispatch_layout(jnp.asarray(expert_ids), experts=call.experts,
                            chunks=call.chunks, capacity=call.capacity,
                            per_expert=per_expert)
@@ -124,7 +124,8 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   one_expert = jax.tree.map(lambda p: p[0], expert_params)
   closed_fn, consts = jax.closure_convert(expert_fn, one_expert, example)
   y = _expert_parallel(call, closed_fn, x, weights,
-                       (expert_params, tuple(consts)), layout.slots)
+                       (expert_params, tuple(consts)), layout.pair_in_slot,
+                       layout.slot_of_pair)
   return y if call.capacity is None else (y, layout.dropped)
 
 
@@ -156,114 +157,80 @@ def _from_experts(call: Call, out):
   return out.reshape(e, n, rows // n, d).transpose(1, 0, 2, 3)
 
 
+def _per_expert(call: Call) -> int:
+  return slots_per_expert(call.tokens, call.k, call.capacity, call.chunks)
+
+
 def _as_buffer(call: Call, flat):
-  """[E * C, D] -> [axis_size, E_local, C, D], block d for device d."""
+  """[E * C_c, D] -> [axis_size, E_local, C_c, D], block d for device d."""
   rows, d = flat.shape
   return flat.reshape(call.size, call.experts_local,
                       rows // call.experts, d)
 
 
-def _split(call: Call, per_expert: int) -> int:
-  """Where each expert's rows of a chunk ([sources * C]) are cut in two
-  halves: one computes beside the dispatch, the other beside the combine.
-  Rows are independent (the padding rows already share each call)."""
-  return max(1, call.size * per_expert // 2)
+def _per_pair(call: Call, returned, slot_of_pair):
+  """Each (token, choice)'s row, [T, k, D], of the chunks' returned buffers
+  ([axis_size, E_local, C_c, D] each, block s from device s: its experts'
+  slots); 0 for a dropped pair."""
+  stacked = jnp.concatenate([r.reshape(-1, r.shape[-1]) for r in returned])
+  return gather_rows(stacked, slot_of_pair).reshape(call.tokens, call.k, -1)
 
 
-def _rows(tokens, half: int, split: int):
-  """Half 0 or 1 of `tokens` [E_local, rows, ...] along the rows."""
-  return tokens[:, :split] if half == 0 else tokens[:, split:]
-
-
-def _chunk(a, call: Call, c: int):
-  n = call.tokens_per_chunk
-  return a[c * n:(c + 1) * n]
-
-
-def _forward(call: Call, expert_fn, x, weights, params, slots, *, save: bool):
+def _forward(call: Call, expert_fn, x, weights, params, pair_in_slot,
+             slot_of_pair, *, save: bool):
   """(y, residuals): with `save`, the tokens each expert received (per
   chunk) and each (token, choice)'s expert output; else None."""
   transport = choose_transport(call.axis, call.size)
-  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
-  split = _split(call, per_expert)
 
   def send(c):
-    rows = jnp.repeat(_chunk(x, call, c), call.k, axis=0)   # one per choice
-    return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 per_expert=per_expert, like=x))
+    # Slot -> its pair's token (pair // k); an empty slot's T reads 0.
+    return _as_buffer(call, gather_rows(x, pair_in_slot[c] // call.k))
 
-  def first(c, arrived):
+  def compute(c, arrived):
     tokens = _to_experts(call, arrived)
-    return tokens, _run_experts(call, expert_fn, params,
-                                _rows(tokens, 0, split))
-
-  def second(c, half):
-    tokens, out = half
-    rest = _run_experts(call, expert_fn, params, _rows(tokens, 1, split))
-    out = jnp.concatenate([out, rest], axis=1)
+    out = _run_experts(call, expert_fn, params, tokens)
     return _from_experts(call, out), (tokens if save else None)
 
-  def receive(c, returned):
-    outs = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
-    outs = outs.reshape(call.tokens_per_chunk, call.k, -1)
-    w = _chunk(weights, call, c).astype(jnp.result_type(weights, outs))
-    return jnp.einsum("tk,tkd->td", w, outs), (outs if save else None)
-
   with moving("tokens"):
-    results, received = exchange_pipeline(transport, call.chunks, send=send,
-                                           first=first, second=second,
-                                           receive=receive)
-  y = jnp.concatenate([r[0] for r in results])
+    returned, received = exchange_pipeline(transport, call.chunks, send=send,
+                                           compute=compute)
+  outs = _per_pair(call, returned, slot_of_pair)
+  w = weights.astype(jnp.result_type(weights, outs))
+  y = jnp.einsum("tk,tkd->td", w, outs)
   if not save:
     return y, None
-  return y, (received, jnp.concatenate([r[1] for r in results]))
+  return y, (received, outs)
 
 
-def _backward(call: Call, expert_fn, weights, params, slots, received, outs,
-              dy):
+def _backward(call: Call, expert_fn, weights, params, pair_in_slot,
+              slot_of_pair, received, outs, dy):
   transport = choose_transport(call.axis, call.size)
-  per_expert = slots_per_expert(call.tokens_per_chunk, call.k, call.capacity)
-  split = _split(call, per_expert)
   experts = lambda p, t: _all_experts(expert_fn, p, t)
+  weight_of_pair = weights.reshape(-1).astype(dy.dtype)
 
   def send(c):
-    # The cotangent of each (token, choice)'s output: its weight times dy.
-    dy_c = _chunk(dy, call, c)
-    w_c = _chunk(weights, call, c).astype(dy.dtype)
-    rows = (w_c[..., None] * dy_c[:, None, :]).reshape(-1, dy.shape[-1])
-    rows = rows.astype(outs.dtype)
-    return _as_buffer(call, pack(rows, slots[c], experts=call.experts,
-                                 per_expert=per_expert, like=dy))
+    # The cotangent of each slot's (token, choice) output: its weight times
+    # its token's dy (0 for an empty slot).
+    pair = pair_in_slot[c]
+    rows = gather_rows(weight_of_pair, pair)[:, None] \
+        * gather_rows(dy, pair // call.k)
+    return _as_buffer(call, rows.astype(outs.dtype))
 
-  def half_backward(c, arrived, half):
-    _, pull = jax.vjp(experts, params, _rows(received[c], half, split))
-    return pull(_rows(_to_experts(call, arrived), half, split))
-
-  def first(c, arrived):
-    return arrived, half_backward(c, arrived, 0)
-
-  def second(c, state):
-    arrived, (d_params, d_tokens) = state
-    d_params_rest, d_tokens_rest = half_backward(c, arrived, 1)
-    d_params = jax.tree.map(_sum_grads, d_params, d_params_rest)
-    d_tokens = jnp.concatenate([d_tokens, d_tokens_rest], axis=1)
+  def compute(c, arrived):
+    _, pull = jax.vjp(experts, params, received[c])
+    d_params, d_tokens = pull(_to_experts(call, arrived))
     return _from_experts(call, d_tokens), d_params
 
-  def receive(c, returned):
-    d_rows = unpack(returned.reshape(-1, returned.shape[-1]), slots[c])
-    return d_rows.reshape(call.tokens_per_chunk, call.k, -1).sum(axis=1)
-
   with moving("cotangents"):
-    dxs, d_params = exchange_pipeline(transport, call.chunks, send=send,
-                                      first=first, second=second,
-                                      receive=receive)
-  dx = jnp.concatenate(dxs)
-  d_params = jax.tree.map(_sum_grads, *d_params)
+    returned, d_params = exchange_pipeline(transport, call.chunks, send=send,
+                                           compute=compute)
+  dx = _per_pair(call, returned, slot_of_pair).sum(axis=1)
+  d_params = jax.tree.map(_sum_over_chunks, *d_params)
   d_weights = jnp.einsum("td,tkd->tk", dy, outs.astype(dy.dtype))
   return dx, d_weights, d_params
 
 
-def _sum_grads(*grads):
+def _sum_over_chunks(*grads):
   if grads[0].dtype == jax.dtypes.float0:    # an integer leaf: no gradient
     return grads[0]
   return sum(grads[1:], grads[0])
@@ -275,24 +242,27 @@ def _cotangent_for(grad, primal):
   return grad.astype(primal.dtype)
 
 
-def _expert_parallel_impl(call, expert_fn, x, weights, params, slots):
-  return _forward(call, expert_fn, x, weights, params, slots, save=False)[0]
+def _expert_parallel_impl(call, expert_fn, x, weights, params, pair_in_slot,
+                          slot_of_pair):
+  return _forward(call, expert_fn, x, weights, params, pair_in_slot,
+                  slot_of_pair, save=False)[0]
 
 
-def _fwd(call, expert_fn, x, weights, params, slots):
-  y, (received, outs) = _forward(call, expert_fn, x, weights, params, slots,
-                                 save=True)
-  return y, (weights, params, slots, received, outs)
+def _fwd(call, expert_fn, x, weights, params, pair_in_slot, slot_of_pair):
+  y, (received, outs) = _forward(call, expert_fn, x, weights, params,
+                                 pair_in_slot, slot_of_pair, save=True)
+  return y, (weights, params, pair_in_slot, slot_of_pair, received, outs)
 
 
 def _bwd(call, expert_fn, residuals, dy):
-  weights, params, slots, received, outs = residuals
-  dx, d_weights, d_params = _backward(call, expert_fn, weights, params, slots,
-                                      received, outs, dy)
+  weights, params, pair_in_slot, slot_of_pair, received, outs = residuals
+  dx, d_weights, d_params = _backward(call, expert_fn, weights, params,
+                                      pair_in_slot, slot_of_pair, received,
+                                      outs, dy)
   d_params = jax.tree.map(_cotangent_for, d_params, params)
   # The tokens travelled in x's dtype.
-  return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype), d_params,
-          None)
+  return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype),
+          d_params, None, None)
 
 
 _expert_parallel = jax.custom_vjp(_expert_parallel_impl,

@@ -1,24 +1,24 @@
-"""The dispatch layout: which (token, choice) goes to which slot.
+"""The dispatch layout: which (token, choice) goes to which slot, and in
+which chunk.
 
-Each device sends, per chunk of its tokens, one buffer of `E` experts x `C`
-slots (`E = E_local * axis_size`, `C` the chunk's slots per expert). A
-(token, choice) pair `(t, j)` with expert `e = expert_ids[t, j]` goes to slot
-`q` of expert `e`, where `q` is how many earlier pairs of the same chunk
-(in token order, then choice order) chose `e`.
+Slots are claimed over all of this device's tokens, as one unchunked
+exchange would: a (token, choice) pair `(t, j)` with expert
+`e = expert_ids[t, j]` takes slot `q` of expert `e`, where `q` is how many
+earlier pairs (token order, then choice order) chose `e`. It is kept when
+`q < capacity` (dropless: always), so which pairs are dropped does not
+depend on `chunks`. Expert `e` has `C = min(capacity, T * k)` slots (dropless
+`T * k`: the choices of one token may repeat an expert, so `T` is not enough
+in general).
 
-The capacity rule is the whole call's, not a chunk's, so that which pairs
-are dropped does not depend on `chunks`: a pair is kept when the number of
-earlier pairs of *this device* (all chunks) that chose `e` is below
-`capacity`. A chunk therefore needs at most `min(capacity, T_chunk * k)`
-slots per expert (every kept pair of a chunk may choose one expert), and
-dropless needs `T_chunk * k` (the choices of one token may repeat an expert,
-so `T_chunk` is not enough in general).
+The chunks split the slots, not the tokens: chunk `c` sends slots
+`[c * C_c, (c + 1) * C_c)` of every expert, `C_c = ceil(C / chunks)`, so
+the chunks together send what one exchange sends (`chunks * C_c < C +
+chunks` slots an expert), and the experts see each kept pair once.
 
 An id outside `[0, E)` (which only a traced `expert_ids` can carry past the
 checks) is treated as dropped: it contributes 0 and, with a capacity, is
-counted in `dropped`. A kept pair's flat slot index is `e * C + q`; a
-dropped pair's is `E * C`, one past the end, which scatters write nowhere
-(`mode="drop"`) and gathers read as 0 (`mode="fill"`).
+counted in `dropped`. Indices one past the end mean "nothing": gathers read
+them as 0 (`mode="fill"`) and scatters write nowhere (`mode="drop"`).
 """
 
 from __future__ import annotations
@@ -28,66 +28,55 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_overlap._src.patterns.moe.varying import vary_like
-
 
 class Layout(NamedTuple):
-  """Where each (token, choice) of each chunk goes; arrays, traced."""
+  """Where each (token, choice) goes; arrays, traced."""
 
-  slots: jax.Array    # [chunks, T_chunk * k] int32 flat slot, E * C if dropped
+  # [chunks, E * C_c] int32: the pair (t * k + j) in each slot of each
+  # chunk's buffer, T * k where the slot is empty.
+  pair_in_slot: jax.Array
+  # [T * k] int32: each pair's row in the chunks' buffers stacked
+  # ([chunks * E * C_c]), chunks * E * C_c if dropped.
+  slot_of_pair: jax.Array
   dropped: jax.Array  # [] int32: this device's dropped (token, choice) pairs
 
 
-def slots_per_expert(tokens_per_chunk: int, k: int, capacity) -> int:
-  """`C`: the slots each chunk's buffer has for each expert."""
-  worst = tokens_per_chunk * k
-  return worst if capacity is None else min(int(capacity), worst)
+def slots_per_expert(tokens: int, k: int, capacity, chunks: int) -> int:
+  """`C_c`: the slots each chunk's buffer has for each expert."""
+  total = tokens * k if capacity is None else min(int(capacity), tokens * k)
+  return -(-total // chunks)
 
 
 def dispatch_layout(expert_ids, *, experts: int, chunks: int, capacity,
                     per_expert: int) -> Layout:
-  """The layout of `expert_ids` ([T, k]) split into `chunks` in token order.
-
-  Ranks come from one stable sort of the pairs by (chunk, expert): memory
-  and work grow with `T * k` (plus `chunks * E` counts), not `T * k * E`.
-  """
+  """The layout of `expert_ids` ([T, k]); `per_expert` is `C_c`."""
   tokens, k = expert_ids.shape
-  pairs = (tokens // chunks) * k
-  ids = expert_ids.astype(jnp.int32).reshape(chunks, pairs)
+  pairs = tokens * k
+  ids = expert_ids.astype(jnp.int32).reshape(pairs)
   valid = (ids >= 0) & (ids < experts)
   own = jnp.where(valid, ids, 0)
-  chunk = jnp.arange(chunks, dtype=jnp.int32)[:, None]
-  groups = chunks * experts                    # one more for invalid ids
-  key = jnp.where(valid, chunk * experts + own, groups).reshape(-1)
-  counts = jnp.zeros((groups + 1,), jnp.int32).at[key].add(1)
-  first = jnp.cumsum(counts) - counts          # where each group starts
-  order = jnp.argsort(key, stable=True)        # token, then choice, order kept
-  rank = jnp.arange(key.size, dtype=jnp.int32) - first[key[order]]
-  # q: earlier pairs of the same chunk that chose the same expert.
-  q = jnp.zeros_like(rank).at[order].set(rank).reshape(chunks, pairs)
-  kept = valid
-  if capacity is not None:
-    per_chunk = counts[:groups].reshape(chunks, experts)
-    before = jnp.cumsum(per_chunk, axis=0) - per_chunk   # earlier chunks
-    earlier = jnp.take_along_axis(before, own, axis=1) + q
-    kept = kept & (earlier < capacity)
-  flat = jnp.where(kept, own * per_expert + q, experts * per_expert)
-  flat = flat.astype(jnp.int32)
+  # q: earlier pairs (all tokens) that chose the same expert: the pair's
+  # rank in one stable sort by expert (memory and work grow with T*k, not
+  # with T*k*E as a one-hot's running count would). Invalid ids sort last.
+  key = jnp.where(valid, own, experts)
+  order = jnp.argsort(key, stable=True)
+  counts = jnp.zeros((experts + 1,), jnp.int32).at[key].add(1)
+  starts = jnp.cumsum(counts) - counts
+  rank = jnp.arange(pairs, dtype=jnp.int32) - starts[key[order]]
+  q = jnp.zeros((pairs,), jnp.int32).at[order].set(rank)
+  kept = valid if capacity is None else valid & (q < capacity)
+  chunk, in_chunk = q // per_expert, q % per_expert
+  rows = chunks * experts * per_expert
+  slot = (chunk * experts + own) * per_expert + in_chunk
+  slot = jnp.where(kept, slot, rows).astype(jnp.int32)
+  # Kept pairs have distinct slots; dropped ones are written nowhere.
+  pair_in_slot = jnp.full((rows,), pairs, jnp.int32).at[slot].set(
+      jnp.arange(pairs, dtype=jnp.int32), mode="drop")
   dropped = jnp.sum(~kept, dtype=jnp.int32)
-  return Layout(flat, dropped)
+  return Layout(pair_in_slot.reshape(chunks, experts * per_expert), slot,
+                dropped)
 
 
-def pack(rows, slots_of_chunk, *, experts: int, per_expert: int, like):
-  """The send buffer [E * C, D] of one chunk: `rows` ([T_chunk * k, D], one
-  row per (token, choice)) put in their slots; empty slots are 0."""
-  buffer = jnp.zeros((experts * per_expert, rows.shape[-1]), rows.dtype)
-  buffer = vary_like(buffer, like)
-  # Dropped pairs share the one-past-the-end index, so the indices are not
-  # promised unique.
-  return buffer.at[slots_of_chunk].set(rows, mode="drop")
-
-
-def unpack(buffer, slots_of_chunk):
-  """Each (token, choice)'s row of a returned buffer [E * C, D]; 0 for a
-  dropped pair."""
-  return buffer.at[slots_of_chunk].get(mode="fill", fill_value=0)
+def gather_rows(rows, index):
+  """`rows[index]` along the first axis, 0 where `index` is out of range."""
+  return rows.at[index].get(mode="fill", fill_value=0)

@@ -1,30 +1,27 @@
-"""The chunked schedule: each exchange in flight beside half of the experts.
+"""The chunked schedule: one exchange in flight beside the experts each step.
 
-`exchange_pipeline` runs, for chunks `0 .. m-1`, a dispatch exchange
-(`send(c)` to the expert devices), the experts' work on what arrived, in
-two halves (`first(c, arrived)` then `second(c, half)`, which returns the
-reply), and a combine exchange of the reply back (`receive(c, returned)`).
-One `program_order(enforce=True)` block keeps this written order:
+`exchange_pipeline` runs, for chunks `0 .. m-1`, a dispatch (`send(c)` to
+the expert devices), the experts' work on what arrived (`compute(c,
+arrived)`) and a combine of its reply back. Each step's one all-to-all
+carries chunk c+1's dispatch and chunk c-1's combine together
+(`transport.start(dispatch, combine)`), so one exchange is in flight at a
+time (TPU v5e takes no more) while the experts compute chunk c. One
+`program_order(enforce=True)` block keeps this written order:
 
-    start dispatch 0; finish it
+    arrived_0 = exchange(send 0)                     (nothing to hide it)
     for c in 0 .. m-1:
-      start dispatch c+1                      (its buffer built first)
-      first half of the experts on chunk c    <- dispatch c+1 in flight
-      finish dispatch c+1
-      start combine c-1
-      second half of the experts on chunk c   <- combine c-1 in flight
-      finish combine c-1; receive it
-    start combine m-1; finish it; receive it
+      start exchange(send c+1, reply_{c-1})          (what exists of them)
+      reply_c = compute(c, arrived_c)                <- the exchange in flight
+      arrived_{c+1}, returned_{c-1} = its done()
+    returned_{m-1} = exchange(reply_{m-1})           (nothing to hide it)
 
-Every exchange but the first and the last has expert compute in flight, and
-only one exchange is in flight at a time: the TPU compiler runs a second
-concurrent all-to-all synchronously, and XLA's GPU scheduler limits
-concurrent collectives (one by default). The forward pass sends tokens and
-receives expert outputs; the backward pass sends output cotangents and
-receives token cotangents, the experts' backward in between: the same
-schedule. The pieces of compute (building a buffer, each half, unpacking)
-are free blocks (`program_order(enforce=False)`): XLA may fuse inside each,
-not across the fences.
+so a pass has m + 2 all-to-alls (2 when m = 1), each but the first and last
+beside the experts. The forward pass sends tokens and receives expert
+outputs; the backward pass sends output cotangents and receives token
+cotangents, the experts' backward in between: the same schedule. The pieces
+of compute (building a buffer, the experts) are free blocks
+(`program_order(enforce=False)`): XLA may fuse inside each, not across the
+fences.
 """
 
 from __future__ import annotations
@@ -36,34 +33,31 @@ from jax_overlap import program_order
 
 def exchange_pipeline(transport, chunks: int, *,
                       send: Callable[[int], Any],
-                      first: Callable[[int, Any], Any],
-                      second: Callable[[int, Any], tuple[Any, Any]],
-                      receive: Callable[[int, Any], Any]):
-  """Runs the schedule above; returns `([receive(c, ...)], [extra_c])` with
-  `second(c, first(c, arrived)) -> (reply_c, extra_c)`."""
+                      compute: Callable[[int, Any], tuple[Any, Any]]):
+  """Runs the schedule above; returns `([returned_c], [extra_c])` with
+  `compute(c, arrived) -> (reply_c, extra_c)`."""
 
   def free(fn, *args):
     return program_order(enforce=False)(lambda: fn(*args))()
 
   @program_order(enforce=True)
   def ordered():
-    results, extras = [None] * chunks, [None] * chunks
-    arrived = transport.start(free(send, 0)).done()
-    reply = None                      # chunk c-1's, not yet sent back
+    returned, extras = [None] * chunks, [None] * chunks
+    (arrived,) = transport.start(free(send, 0)).done()
+    reply = None
     for c in range(chunks):
-      if c + 1 < chunks:
-        dispatch = transport.start(free(send, c + 1))
-      half = free(first, c, arrived)
-      if c + 1 < chunks:
-        arrived = dispatch.done()
-      if reply is not None:
-        combine = transport.start(reply)
-      reply_c, extras[c] = free(second, c, half)
-      if reply is not None:
-        results[c - 1] = free(receive, c - 1, combine.done())
-      reply = reply_c
-    results[chunks - 1] = free(receive, chunks - 1,
-                               transport.start(reply).done())
-    return results, extras
+      outgoing = ([free(send, c + 1)] if c + 1 < chunks else []) \
+          + ([reply] if reply is not None else [])
+      exchange = transport.start(*outgoing) if outgoing else None
+      new_reply, extras[c] = free(compute, c, arrived)
+      if exchange is not None:
+        got = list(exchange.done())
+        if c + 1 < chunks:
+          arrived = got.pop(0)
+        if reply is not None:
+          returned[c - 1] = got.pop(0)
+      reply = new_reply
+    (returned[chunks - 1],) = transport.start(reply).done()
+    return returned, extras
 
   return ordered()
