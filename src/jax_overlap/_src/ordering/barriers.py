@@ -38,6 +38,18 @@ from jax_overlap._src.ordering.primitive import is_free_block
 #: there is no order to keep.
 _READS_DEVICE_POSITION = frozenset({"axis_index"})
 
+#: Synchronous collectives (jax primitive names, across our versions). One
+#: that ends a block gets its outputs fenced too, as every other equation's
+#: are by the next one's barrier: a collective inside an ordered block is
+#: then one that both reads and feeds a barrier, which is how
+#: `compile_options.fenced_sync_collectives` tells it from one that merely
+#: reads a block's result after the block (jax's psum of a replicated
+#: input's gradient), which XLA stays free to overlap.
+_SYNC_COLLECTIVES = frozenset({
+    "psum", "psum2", "psum_invariant", "pmax", "pmin", "all_gather",
+    "all_gather_invariant", "reduce_scatter", "psum_scatter", "all_to_all",
+    "ppermute", "ragged_all_to_all"})
+
 
 def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
                  strict_out: bool) -> list[Any]:
@@ -91,6 +103,9 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     write(eqn.outvars, outs)
     prev_eqn, prev_vals = eqn, list(outs)
 
+  if (prev_eqn is not None and len(jaxpr.eqns) > 1 and prev_vals
+      and prev_eqn.primitive.name in _SYNC_COLLECTIVES):
+    write(prev_eqn.outvars, _compat.barrier(prev_vals))
   outs = [read(v) for v in jaxpr.outvars]
   if strict_out and outs:
     outs = _compat.barrier(outs)

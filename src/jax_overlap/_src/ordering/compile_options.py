@@ -76,10 +76,25 @@ _SYNC_COLLECTIVES = {
     "stablehlo.collective_permute": "ppermute"}
 
 
+def _is_barrier(op) -> bool:
+  op = op.operation if hasattr(op, "operation") else op
+  return op.name == "stablehlo.optimization_barrier"
+
+
+def _feeds_a_barrier(op) -> bool:
+  try:
+    return any(_is_barrier(use.owner) for r in op.results for use in r.uses)
+  except AttributeError:  # bindings without Value.uses: say it, as before
+    return True
+
+
 def fenced_sync_collectives(computation) -> list[str]:
-  """The synchronous collectives of an MLIR module that read a value an
-  `optimization_barrier` made: those inside an ordered block (a future that
-  had to be lowered synchronously is not one: it was said already)."""
+  """The synchronous collectives of an MLIR module fenced on both sides:
+  reading a value an `optimization_barrier` made and feeding one, as every
+  collective inside an ordered block does (barriers.py fences the outputs of
+  one that ends a block). One that only reads a block's result, after it,
+  is left to XLA and not said; nor is a future that had to be lowered
+  synchronously (it was said already)."""
   found: list[str] = []
 
   def visit(op):
@@ -88,9 +103,9 @@ def fenced_sync_collectives(computation) -> list[str]:
         owner = operand.owner
         if isinstance(owner, ir.Block):
           continue
-        owner = owner.operation if hasattr(owner, "operation") else owner
-        if owner.name == "stablehlo.optimization_barrier":
-          found.append(_SYNC_COLLECTIVES[op.name])
+        if _is_barrier(owner):
+          if _feeds_a_barrier(op):
+            found.append(_SYNC_COLLECTIVES[op.name])
           break
     return ir.WalkResult.ADVANCE
   try:
