@@ -41,12 +41,21 @@ SETTINGS = {
     "param_dtype=bfloat16": dict(param_dtype=jnp.bfloat16),
     "param_dtype=bfloat16, reduce_dtype=float32":
         dict(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
-    "reshard_after_forward=1": dict(reshard_after_forward=1),
-    "reshard_after_forward=2": dict(reshard_after_forward=2),
-    "reshard_after_forward=False": dict(reshard_after_forward=False),
-    "prefetch=2": dict(prefetch=2),
-    "reshard_after_forward=1, prefetch=2":
-        dict(reshard_after_forward=1, prefetch=2),
+    # The memory knobs, with the ends outside (keeping more than the last
+    # layer, or prefetching deeper, is refused with before=/after=).
+    # reshard_after_forward=True was the default before 1 was measured better.
+    "reshard_after_forward=True, ends outside":
+        dict(reshard_after_forward=True, **{ENDS_OUTSIDE: True}),
+    "reshard_after_forward=True, before=embedding, after=head":
+        dict(reshard_after_forward=True),
+    "reshard_after_forward=2, ends outside":
+        dict(reshard_after_forward=2, **{ENDS_OUTSIDE: True}),
+    "reshard_after_forward=False, ends outside":
+        dict(reshard_after_forward=False, **{ENDS_OUTSIDE: True}),
+    "reshard_after_forward=True, prefetch=2, ends outside":
+        dict(reshard_after_forward=True, prefetch=2, **{ENDS_OUTSIDE: True}),
+    "prefetch=2 (reshard_after_forward=1), ends outside":
+        dict(prefetch=2, **{ENDS_OUTSIDE: True}),
 }
 
 

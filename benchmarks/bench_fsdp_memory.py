@@ -112,14 +112,15 @@ def figures(n_layers: int) -> dict[str, int]:
 
 
 KNOBS = {   # setting: fsdp_scan keyword arguments
-    "reshard_after_forward=True, prefetch=1 (default)": {},
-    "reshard_after_forward=1": dict(reshard_after_forward=1),
+    "reshard_after_forward=1, prefetch=1 (default)": {},
+    "reshard_after_forward=True": dict(reshard_after_forward=True),
     "reshard_after_forward=2": dict(reshard_after_forward=2),
     "reshard_after_forward=False": dict(reshard_after_forward=False),
-    "prefetch=2": dict(prefetch=2),
-    "prefetch=3": dict(prefetch=3),
-    "reshard_after_forward=1, prefetch=2":
-        dict(reshard_after_forward=1, prefetch=2),
+    "reshard_after_forward=True, prefetch=2":
+        dict(reshard_after_forward=True, prefetch=2),
+    "reshard_after_forward=True, prefetch=3":
+        dict(reshard_after_forward=True, prefetch=3),
+    "prefetch=2 (reshard_after_forward=1)": dict(prefetch=2),
 }
 
 

@@ -110,9 +110,9 @@ def _close(got, want):
 
 @pytest.mark.parametrize("context, n_layers, kwargs", [
     ("shard_map", 1, {}), ("shard_map", 3, {}),
-    # The last layer's weights kept from the forward pass (no regather
-    # behind after's backward) beside the ends.
-    ("shard_map", 3, {"reshard_after_forward": 1}),
+    # The default keeps the last layer's weights from the forward pass (no
+    # regather behind after's backward); True regathers it there.
+    ("shard_map", 3, {"reshard_after_forward": True}),
     pytest.param("explicit", 3, {}, marks=needs_explicit)])
 def test_values_and_gradients_match_the_plain_model(context, n_layers, kwargs):
   # The layer closes over a traced scale (lifted into the VJP like the
@@ -158,29 +158,35 @@ def test_every_window_has_compute_with_the_ends():
   from fsdp_test import _windows  # noqa: PLC0415 - the same window finder
   params, tokens, labels = _inputs(3)
 
-  def windows(**ends):
+  def windows(ends=False, **kw):
     @jax.shard_map(mesh=_mesh(False), in_specs=(SPECS, P("d"), P("d")),
                    out_specs=P())
     def loss(params, tokens, labels):
       if ends:
-        out = model(params, tokens, labels)
+        out = model(params, tokens, labels, **kw)
       else:
         h = jo.fsdp_scan(block, embed(params["embed"], tokens),
-                         params["blocks"], axis="d")
+                         params["blocks"], axis="d", **kw)
         out = head_loss(h, params["head"], labels)
       return lax.pmean(out, "d")
     return _windows(jax.jit(jax.grad(loss)).trace(params, tokens,
                                                   labels).jaxpr)
 
   bare = lambda ws: sorted(k for k, prims in ws if "dot_general" not in prims)
-  # Without the ends: each pass's first gather and the last reduce-scatter
-  # have nothing written between start and done (one bucket a layer) ...
-  assert bare(windows()) == ["all_gather"] * 2 + ["psum_scatter"]
-  # ... with them: the embedding's matmul, the head's backward and the
-  # embedding's backward are written there.
+  # Without the ends: the forward's first gather and the last reduce-scatter
+  # have nothing written between start and done (one bucket a layer; the
+  # default keeps the last layer's weights, so the backward pass starts
+  # with no gather) ...
+  assert bare(windows()) == ["all_gather", "psum_scatter"]
+  # ... nor, with every layer regathered, the backward's first gather ...
+  regather = dict(reshard_after_forward=True)
+  assert bare(windows(**regather)) == ["all_gather"] * 2 + ["psum_scatter"]
+  # ... with them: the embedding's matmul, the head's backward (where that
+  # regather is) and the embedding's backward are written there.
   with_ends = windows(ends=True)
   assert bare(with_ends) == [], with_ends
   assert len(with_ends) == len(windows())
+  assert bare(windows(ends=True, **regather)) == []
   # The embedding table's and the head's gradients are all-reduced after
   # the stack's backward (stack_ends._varying_like_outputs), not inside a
   # window, where they would queue behind the collective in flight.

@@ -250,13 +250,27 @@ def test_residuals_are_activations_only():
     w1 = w["w1"].astype(jnp.bfloat16).astype(jnp.float32)
     return x + jnp.tanh(x @ w1) @ w["w2"].T.T
   x, params = _inputs("mlp", 3)
-  loss = shard_map_loss(layer, params)
+  # Every layer regathered in the backward pass (reshard_after_forward=True).
+  loss = shard_map_loss(layer, params, reshard_after_forward=True)
   full = _full_weight_shapes(params)
+  n = jax.device_count()
+  # A residual of the shard_map shows each device's value stacked along its
+  # first dimension: a full weight (W, ...) on every device reads (n * W, ...).
+  per_device = lambda s: (s[0] // n, *s[1:]) if s and s[0] % n == 0 else s
+  is_full = lambda aval: (tuple(aval.shape) in full
+                          or per_device(tuple(aval.shape)) in full)
   saved = saved_residuals(loss, x, params)
   assert saved, "nothing saved at all?"
   for aval, why in saved:
     # A full weight has no leading layer dimension and no sharding.
-    assert tuple(aval.shape) not in full, (aval, why)
+    assert not is_full(aval), (aval, why)
+  # The default (reshard_after_forward=1) saves the last layer's gathered
+  # weights, each once, and nothing computed from them (the cast, the
+  # transposes).
+  kept = [per_device(tuple(a.shape)) for a, _ in
+          saved_residuals(shard_map_loss(layer, params), x, params)
+          if is_full(a)]
+  assert sorted(kept) == sorted(full), kept
   # The plain scan does save them: the check can fail.
   plain = saved_residuals(reference_loss(layer), x, params)
   assert any(tuple(a.shape[1:]) in full or tuple(a.shape) in full
@@ -325,10 +339,19 @@ def test_traced_program_has_compute_inside_every_window():
   # Every gather but the first of each pass, and every reduce-scatter but
   # the last, has a layer's matmuls written between its start and its done;
   # the 2 leaves of a layer travel in one bucket (bucket=True, the default),
-  # which leaves 1 + 1 gathers and 1 scatter bare (2 + 2 and 2 unbucketed).
+  # which leaves 1 gather and 1 scatter bare (2 and 2 unbucketed): the
+  # backward pass's first layer is the forward's last, whose gathered
+  # weights the default (reshard_after_forward=1) keeps.
+  bare = sorted(k for k, prims in windows if "dot_general" not in prims)
+  assert bare == ["all_gather", "psum_scatter"], windows
+  assert len(windows) > len(bare)
+  # Every layer regathered (reshard_after_forward=True): that regather,
+  # before the backward's loop, is bare as well.
+  grad = jax.grad(shard_map_loss(mlp_layer, params, reshard_after_forward=True),
+                  argnums=(0, 1))
+  windows = _windows(jax.jit(grad).trace(x, params).jaxpr)
   bare = sorted(k for k, prims in windows if "dot_general" not in prims)
   assert bare == ["all_gather"] * 2 + ["psum_scatter"], windows
-  assert len(windows) > len(bare)
 
 
 @pytest.mark.skipif(not _compat.ASYNC_CUSTOM_CALLS,

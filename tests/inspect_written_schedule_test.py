@@ -163,13 +163,15 @@ def test_fsdp_step_exposes_only_what_has_nothing_to_hide_behind(fsdp_reports):
   report = fsdp_reports[layers]
   kinds = sorted({c.kind for c in report.collectives})
   assert kinds == ["all-gather", "all-reduce", "reduce-scatter"]
-  # The first gather of each pass (forward and backward), the last
-  # reduce-scatter and the loss's psum overlap nothing; everything else is
-  # hidden. (A layer's two weights travel in one bucket, fsdp_scan's
-  # default: one gather and one reduce-scatter per layer.)
+  # The forward's first gather, the last reduce-scatter and the loss's psum
+  # overlap nothing; everything else is hidden. (A layer's two weights
+  # travel in one bucket, fsdp_scan's default: one gather and one
+  # reduce-scatter per layer; and the backward pass starts with the last
+  # layer's gathered weights kept from the forward pass, the default
+  # reshard_after_forward=1, so it has no bare first gather.)
   bare = [c for c in report.collectives if "overlaps nothing" in c.flags]
   assert sorted(c.kind for c in bare) == (
-      ["all-gather"] * 2 + ["all-reduce"] + ["reduce-scatter"])
+      ["all-gather"] + ["all-reduce"] + ["reduce-scatter"])
   for c in report.collectives:
     if c not in bare:
       assert c.is_async and c.overlapped and c.exposed_s == pytest.approx(
@@ -178,9 +180,9 @@ def test_fsdp_step_exposes_only_what_has_nothing_to_hide_behind(fsdp_reports):
   assert t["exposed_s"] == pytest.approx(sum(c.comm_s for c in bare),
                                          rel=1e-9)
   # The bound: a layer moves 3 transfers of one size (its bucket gathered
-  # forward, gathered again backward, reduce-scattered), and 3 of the
-  # 3 * layers have nothing to hide behind, so at most 1/layers of the
-  # layers' traffic is exposed, plus the loss's psum.
+  # forward, gathered again backward, reduce-scattered; the last layer 2),
+  # and 2 of the 3 * layers - 1 have nothing to hide behind, so at most
+  # 1/layers of the layers' traffic is exposed, plus the loss's psum.
   (psum,) = [c for c in report.collectives if c.kind == "all-reduce"]
   assert psum.flags[0] == "blocking"
   assert 0 < t["exposed_s"] <= (t["comm_s"] - psum.comm_s) / layers \

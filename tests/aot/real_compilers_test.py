@@ -169,16 +169,19 @@ def fsdp_program(t, grad, bucket=False, reshard=True, prefetch=1):
   return f, (arg(t, (64, 16), P("x")), {"a": w, "b": w})
 
 
-def fsdp_ends_program(t, ends):
+def fsdp_ends_program(t, ends, reshard=None):
   """fsdp_program's stack (one bucket a layer) with an input projection
   before it and a head after it, value_and_grad of all three: in
-  fsdp_scan(before=, after=) (`ends`), or written around the call."""
+  fsdp_scan(before=, after=) (`ends`), or written around the call;
+  `reshard`: reshard_after_forward (None: fsdp_scan's default)."""
+  kw = {} if reshard is None else dict(reshard_after_forward=reshard)
+
   def loss(x, ps, emb, head):
     if ends:
       return jax_overlap.fsdp_scan(
           _layer, x, ps, axis="x", before=lambda x: jnp.tanh(x @ emb),
-          after=lambda h: jnp.tanh(h @ head).sum())[None]
-    h = jax_overlap.fsdp_scan(_layer, jnp.tanh(x @ emb), ps, axis="x")
+          after=lambda h: jnp.tanh(h @ head).sum(), **kw)[None]
+    h = jax_overlap.fsdp_scan(_layer, jnp.tanh(x @ emb), ps, axis="x", **kw)
     return jnp.tanh(h @ head).sum()[None]
   spec = {"a": P(None, "x"), "b": P(None, "x")}
   fwd = _smap(t, loss, (P("x"), spec, P(), P()))
@@ -521,26 +524,30 @@ def _computes(instr) -> bool:
 @pytest.mark.parametrize("name", ["gpu_h100", "tpu_v5e"])
 def test_fsdp_scan_ends_hide_the_first_gather_and_the_last_reduce_scatter(name):
   # fsdp_scan(before=, after=): every gather of both passes (the first
-  # behind the input projection, the backward's first behind the head's
-  # backward) and every reduce-scatter, the last behind the projection's
-  # backward, has a matmul in flight (v5e: the TPU form, an all-to-all).
-  # Written around the call instead, the last one has none (measured,
-  # jax 0.12.0.1, libtpu 0.0.52: H100 compiles it synchronous, v5e with
-  # nothing in its window).
+  # behind the input projection; with reshard_after_forward=True the
+  # backward's first, the last layer's regather, behind the head's backward,
+  # which the default, 1, does not run: the last layer's weights are kept)
+  # and every reduce-scatter, the last behind the projection's backward, has
+  # a matmul in flight (v5e: the TPU form, an all-to-all). Written around
+  # the call instead, the last one has none (measured, jax 0.12.0.1, libtpu
+  # 0.0.52: H100 compiles it synchronous, v5e with nothing in its window).
   scatter = "all-to-all" if name.startswith("tpu") else "reduce-scatter"
   last = {}
-  for ends in (False, True):
-    text, warned = _compiled(name, "fsdp_ends", ends)
+  for ends, reshard in ((False, None), (True, None), (True, True)):
+    text, warned = _compiled(name, "fsdp_ends", ends, reshard)
     gathers = _async(text, "all-gather")
     scatters = sorted(_async(text, scatter), key=lambda w: w.done)
-    last[ends] = sum(map(_computes, scatters[-1].between)) \
+    last[ends, reshard] = sum(map(_computes, scatters[-1].between)) \
         if len(scatters) == LAYERS else 0
     assert not warned, warned
-  assert len(gathers) == 2 * LAYERS, gathers
-  assert all(any(map(_computes, w.between)) for w in gathers), gathers
-  assert len(scatters) == LAYERS, scatters
-  assert all(any(map(_computes, w.between)) for w in scatters), scatters
-  assert last == {False: 0, True: last[True]} and last[True] >= 1, last
+    if ends:
+      kept = 0 if reshard is True else 1
+      assert len(gathers) == 2 * LAYERS - kept, (reshard, gathers)
+      assert all(any(map(_computes, w.between)) for w in gathers), gathers
+      assert len(scatters) == LAYERS, scatters
+      assert all(any(map(_computes, w.between)) for w in scatters), scatters
+  assert last[False, None] == 0, last
+  assert last[True, None] >= 1 and last[True, True] >= 1, last
 
 
 @needs_pairs
@@ -569,10 +576,11 @@ def test_fsdp_scan_memory_knobs_keep_their_windows(name, reshard, prefetch):
 def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
   # The compiled step's temp bytes (memory_analysis) on the H100 compiler,
   # 6 layers of two 256 x 256 float32 weights (weights dominate), in units
-  # of one gathered layer: keeping the last layer is free (the backward
-  # pass holds its weights first anyway); prefetch=2 holds at least one
-  # more layer, prefetch=3 one more again. Measured 0.00, 1.60 and 1.50
-  # layers (jax 0.12.0.1).
+  # of one gathered layer, against every layer regathered
+  # (reshard_after_forward=True): keeping the last layer (the default) is
+  # free (the backward pass holds its weights first anyway); prefetch=2
+  # holds at least one more layer, prefetch=3 one more again. Measured
+  # 0.00, 1.60 and 1.50 layers (jax 0.12.0.1).
   t = target("gpu_h100")
   n, width = 6, 256
   w = arg(t, (n, width, width), P(None, "x"))
@@ -586,12 +594,13 @@ def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
     step = jax.value_and_grad(lambda x, ps: fwd(x, ps).sum(), argnums=1)
     compiled = jax.jit(step).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes / (2 * width * width * 4)
-  default = temp()
-  keep_last, prefetch_2 = temp(reshard_after_forward=1), temp(prefetch=2)
+  default = temp(reshard_after_forward=True)   # every layer regathered
+  keep_last = temp()                           # fsdp_scan's default, 1
+  prefetch_2 = temp(reshard_after_forward=True, prefetch=2)
   # prefetch=3 here gathered layers 2 and 3 by the same op in both passes
   # until the backward pass read the stack through a barrier: XLA merged
   # the two starts, and the verifier refused one start with two dones.
-  prefetch_3 = temp(prefetch=3)
+  prefetch_3 = temp(reshard_after_forward=True, prefetch=3)
   assert keep_last <= default + 0.1, (default, keep_last)
   assert prefetch_2 >= default + 0.9, (default, prefetch_2)
   assert prefetch_3 >= prefetch_2 + 0.9, (prefetch_2, prefetch_3)

@@ -33,7 +33,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               shard_dims=None, unroll: int = 2, remat_policy=None,
               xs=None, param_dtype=None, reduce_dtype=None,
               bucket: bool = True, replica_axis=None,
-              reshard_after_forward: bool | int = True, prefetch: int = 1,
+              reshard_after_forward: bool | int = 1, prefetch: int = 1,
               before=None, after=None):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
@@ -46,7 +46,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   undo the overlap. Gathered weights are not saved for the backward pass
   (nor values computed from them alone, such as a cast): the residuals are
   activations only, and the backward pass gathers the weights again, except
-  for the last layers `reshard_after_forward` keeps.
+  for the last layers `reshard_after_forward` keeps (by default the last
+  one, which the backward pass runs first).
 
   Two contexts, one function:
 
@@ -130,10 +131,12 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     reshard_after_forward: how many of the last layers keep their gathered
       weights from the forward pass for the backward pass (PyTorch FSDP2's
       name). The backward pass runs them first, so it would otherwise start
-      by waiting for their regathers. True: none, every layer is regathered
-      (the least memory); False: all of them, no regather; an int k: the
-      last k. `1` hides the backward pass's first regather at no cost in
-      compiled temp bytes on H100 (docs/fsdp.md has the table).
+      by waiting for their regathers. `1` (the default): the last layer,
+      which hides the backward pass's first regather at no cost in compiled
+      temp bytes on H100 (measured: docs/fsdp.md has the table; a one-layer
+      stack then gathers once, in the forward pass); True: none, every
+      layer is regathered (the least memory, FSDP2's default for non-root
+      modules); False: all of them, no regather; an int k: the last k.
     prefetch: how many layers ahead of its use each gather starts (1: the
       next layer's gather runs behind this layer's compute). Each more holds
       one more gathered layer; each gather is still in flight across one
