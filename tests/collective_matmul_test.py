@@ -10,14 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives.primitives import (
-    collective_done_p, collective_start_p)
 from jax_overlap._src.patterns import collective_matmul
+
+import lowered
 
 SIZES = [1, 2, 4, 8]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -182,34 +181,6 @@ def test_forward_saves_only_the_local_blocks():
 
 # --- the overlap, in the traced program -------------------------------------------
 
-def _flat_eqns(jaxpr):
-  """Every equation, nested jaxprs inlined where their equation stands."""
-  for eqn in jaxpr.eqns:
-    subs = list(jaxprs_in_params(eqn.params))
-    if not subs:
-      yield eqn
-    for sub in subs:
-      yield from _flat_eqns(sub)
-
-
-def _windows(fn, *args):
-  """For each collective start: the primitives between it and its done."""
-  eqns = list(_flat_eqns(jax.jit(fn).trace(*args).jaxpr))
-  windows = []
-  for i, eqn in enumerate(eqns):
-    if eqn.primitive is not collective_start_p:
-      continue
-    in_flight = eqn.outvars[0]
-    for j in range(i + 1, len(eqns)):
-      if (eqns[j].primitive is collective_done_p
-          and eqns[j].invars[0] is in_flight):
-        windows.append([e.primitive.name for e in eqns[i + 1:j]])
-        break
-    else:
-      raise AssertionError(f"no done for the start at equation {i}")
-  return windows
-
-
 def _max_in_flight(window_names):
   return 1 + max((w.count("collective_start") for w in window_names),
                  default=0)
@@ -221,7 +192,7 @@ def test_each_send_overlaps_a_matmul_in_the_traced_program(name,
                                                            bidirectional):
   n = 8
   ours, _, args = CASES[name](n, 0, bidirectional)
-  windows = _windows(ours, *args)
+  windows = lowered.future_windows(ours, *args)
   # n - 1 hops in all, whichever the direction.
   assert len(windows) == n - 1
   assert all("dot_general" in w for w in windows), windows
@@ -234,7 +205,7 @@ def test_each_send_overlaps_a_matmul_in_the_traced_program(name,
 def test_backward_overlaps_too(name, bidirectional):
   n = 4
   ours, _, args = CASES[name](n, 0, bidirectional)
-  windows = _windows(_grad(ours), *args)
+  windows = lowered.future_windows(_grad(ours), *args)
   # Forward ring, then all_gather_matmul's backward: a reduce-scatter ring
   # (dx) and a gather ring (dw); matmul_reduce_scatter's: one gather ring
   # that feeds both.
@@ -246,7 +217,8 @@ def test_backward_overlaps_too(name, bidirectional):
 def test_axis_size_one_sends_nothing():
   for name, case in CASES.items():
     ours, _, args = case(1, 0, True)
-    assert _windows(ours, *args) == [] == _windows(_grad(ours), *args), name
+    assert (lowered.future_windows(ours, *args) == []
+            == lowered.future_windows(_grad(ours), *args)), name
 
 
 # --- the overlap, in the program lowered for GPU -----------------------------------

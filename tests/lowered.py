@@ -8,6 +8,8 @@ import jax
 from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
+from jax_overlap._src.collectives.primitives import (collective_done_p,
+                                                     collective_start_p)
 
 HAS_LOJAX = _compat.USE_HIJAX
 
@@ -163,3 +165,32 @@ def follows(scheduled: list, written: list) -> bool:
       return False
     i += n
   return i == len(scheduled)
+
+
+def flat_eqns(jaxpr):
+  """Every equation, nested jaxprs inlined where their equation stands."""
+  for eqn in jaxpr.eqns:
+    subs = list(jax_core.jaxprs_in_params(eqn.params))
+    if not subs:
+      yield eqn
+    for sub in subs:
+      yield from flat_eqns(sub)
+
+
+def future_windows(fn, *args):
+  """For each collective future's start in `jax.jit(fn)`'s traced program,
+  in order: the primitive names between it and its done."""
+  eqns = list(flat_eqns(jax.jit(fn).trace(*args).jaxpr))
+  windows = []
+  for i, eqn in enumerate(eqns):
+    if eqn.primitive is not collective_start_p:
+      continue
+    in_flight = eqn.outvars[0]
+    for j in range(i + 1, len(eqns)):
+      if (eqns[j].primitive is collective_done_p
+          and eqns[j].invars[0] is in_flight):
+        windows.append([e.primitive.name for e in eqns[i + 1:j]])
+        break
+    else:
+      raise AssertionError(f"no done for the start at equation {i}")
+  return windows

@@ -20,12 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
-from jax_overlap._src.collectives.primitives import (collective_done_p,
-                                                     collective_start_p)
+from jax_overlap._src.collectives.primitives import collective_start_p
 from jax_overlap._src.patterns.moe import expert_parallel as moe_module
 
 import lowered
@@ -235,28 +233,6 @@ def test_traced_ids_out_of_range_are_dropped_and_counted():
 
 # --- the overlap, in the traced program ---------------------------------------
 
-def _flat_eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    subs = list(jaxprs_in_params(eqn.params))
-    if not subs:
-      yield eqn
-    for sub in subs:
-      yield from _flat_eqns(sub)
-
-
-def _windows(fn, *args):
-  """For each collective start, in order: the primitives before its done."""
-  eqns = list(_flat_eqns(jax.jit(fn).trace(*args).jaxpr))
-  windows = []
-  for i, eqn in enumerate(eqns):
-    if eqn.primitive is collective_start_p:
-      j = next(j for j in range(i + 1, len(eqns))
-               if eqns[j].primitive is collective_done_p
-               and eqns[j].invars[0] is eqn.outvars[0])
-      windows.append([e.primitive.name for e in eqns[i + 1:j]])
-  return windows
-
-
 CHUNKS = 4
 
 
@@ -273,7 +249,7 @@ def test_every_exchange_but_the_first_and_last_is_in_flight_beside_the_experts()
   f, grad, args = _overlap_case()
   per_pass = CHUNKS + 2
   for fn, passes in ((f, 1), (grad, 2)):
-    windows = _windows(fn, *args)
+    windows = lowered.future_windows(fn, *args)
     assert len(windows) == passes * per_pass, len(windows)
     for p in range(passes):
       own = windows[p * per_pass:(p + 1) * per_pass]
@@ -286,7 +262,7 @@ def test_every_exchange_but_the_first_and_last_is_in_flight_beside_the_experts()
 
 def _sent_elements(fn, *args):
   """Elements each device sends in the traced program's collectives."""
-  eqns = _flat_eqns(jax.jit(fn).trace(*args).jaxpr)
+  eqns = lowered.flat_eqns(jax.jit(fn).trace(*args).jaxpr)
   return sum(int(np.prod(eqn.invars[0].aval.shape)) for eqn in eqns
              if eqn.primitive is collective_start_p)
 
@@ -331,7 +307,7 @@ def test_outputs_of_another_dtype_travel_in_the_same_exchange():
 def test_axis_size_one_sends_nothing():
   x, ids, weights, params = _inputs(1, 2, 2)
   f = lambda x, w, p: ours(1, 2, None, "jit")(x, ids, w, p)[0]
-  assert _windows(f, x, weights, params) == []
+  assert lowered.future_windows(f, x, weights, params) == []
 
 
 @pytest.mark.skipif(not NEWEST, reason="XLA:CPU keeps the written order of "
