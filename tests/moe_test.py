@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import doctest
 import functools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +25,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
+from jax_overlap._src.collectives import not_async, ragged
 from jax_overlap._src.collectives.primitives import collective_start_p
 from jax_overlap._src.patterns.moe import expert_parallel as moe_module
+from jax_overlap._src.patterns.moe import ragged_exchange
+from jax_overlap._src.patterns.moe.layout import dispatch_layout
 
 import lowered
 
@@ -267,17 +272,16 @@ def _sent_elements(fn, *args):
              if eqn.primitive is collective_start_p)
 
 
-@pytest.mark.parametrize("capacity", [4, None], ids=["capacity4", "dropless"])
-def test_chunks_split_the_slots_so_chunking_adds_no_traffic(capacity):
+def test_chunks_split_the_slots_so_chunking_adds_no_traffic():
   # The chunks split each expert's capacity slots (chunk c sends slots
   # [c * C / m, (c + 1) * C / m)), so a pass sends what one exchange sends
-  # whatever `chunks`: C = capacity (dropless T * k) slots an expert, out
-  # and back. Splitting the tokens instead made each chunk hold up to
+  # whatever `chunks`: C = capacity slots an expert, out and back.
+  # Splitting the tokens instead made each chunk hold up to
   # min(capacity, T / chunks * k) slots an expert: chunks times as many.
-  n, k = 2, 2
+  # (Dropless sends the routed rows: test_dropless_sends_the_routed_rows_...)
+  n, k, capacity = 2, 2, 4
   x, ids, weights, params = _inputs(n, 1, k)
-  slots = T * k if capacity is None else capacity
-  want = 2 * (n * 1) * slots * D          # dispatch + combine, E = n experts
+  want = 2 * (n * 1) * capacity * D       # dispatch + combine, E = n experts
   for chunks in (1, 2):
     f = lambda x, w, p: ours(n, chunks, capacity, "jit")(x, ids, w, p)[0]
     assert _sent_elements(f, x, weights, params) == want, chunks
@@ -285,12 +289,14 @@ def test_chunks_split_the_slots_so_chunking_adds_no_traffic(capacity):
 
 def test_outputs_of_another_dtype_travel_in_the_same_exchange():
   # The expert returns bfloat16 from float32 tokens: a step's one exchange
-  # carries both dtypes (as bytes), forward and backward.
+  # carries both dtypes (as bytes), forward and backward (a capacity that
+  # drops nothing: dropless sends each leg by its own ragged exchange).
   n, k = 2, 2
   x, ids, weights, params = _inputs(n, 1, k)
   cast = lambda p, t: expert(p, t).astype(jnp.bfloat16)
   def local(x, ids, w, p):
-    return jo.expert_parallel(cast, x, ids, w, p, axis="i", chunks=2)
+    return jo.expert_parallel(cast, x, ids, w, p, axis="i", chunks=2,
+                              capacity=T * k)[0]
   f = jax.shard_map(local, mesh=_mesh(n), in_specs=(P("i"),) * 4,
                     out_specs=P("i"))
   dy = np.ones(x.shape, np.float32)
@@ -326,6 +332,90 @@ def test_compiled_cpu_schedule_keeps_the_written_order():
   # The backward pass: the same schedule (the experts' forward, and its tanh,
   # recomputed under jax.vjp).
   assert order(grad) == one_pass * 2, order(grad)
+
+
+# --- dropless: the routed rows only, by a ragged all-to-all ----------------------
+
+def test_dropless_layout_sends_each_experts_routed_rows():
+  # What a ragged exchange sends of chunk c to expert e: the kept pairs that
+  # chose e, past the c * C_c of the chunks before, at most C_c; they are
+  # the block's first slots. Dropless they add up to T * k rows (not the
+  # E * T * k slots of the padded buffers); with a capacity, to the kept.
+  _, ids, _, _ = _inputs(1, 4, 2)                  # T = 8, k = 2, E = 4
+  experts, chunks, per = 4, 2, T * 2 // 2
+  counts = np.bincount(ids.ravel(), minlength=experts)
+  for capacity in (None, 3):
+    kept = counts if capacity is None else np.minimum(counts, capacity)
+    layout = jax.jit(functools.partial(
+        dispatch_layout, experts=experts, chunks=chunks, capacity=capacity,
+        per_expert=per))(ids)
+    sent = np.asarray(layout.sent)
+    want = np.clip(kept[None] - np.arange(chunks)[:, None] * per, 0, per)
+    np.testing.assert_array_equal(sent, want)
+    assert sent.sum() == (T * 2 if capacity is None else kept.sum())
+    filled = np.asarray(layout.pair_in_slot).reshape(chunks, experts, per) < T * 2
+    np.testing.assert_array_equal(filled, np.arange(per) < sent[..., None])
+
+
+def _dropless_case(n=4, experts_local=2, k=2, chunks=2):
+  x, ids, weights, params = _inputs(n, experts_local, k)
+  f = lambda x, w, p: ours(n, chunks, None, "jit")(x, ids, w, p)[0]
+  grad = jax.grad(lambda x, w, p: jnp.sum(jnp.sin(f(x, w, p))), (0, 1, 2))
+  return x, ids, weights, params, f, grad
+
+
+def test_dropless_is_a_ragged_all_to_all_on_gpu_and_tpu_and_dense_on_cpu():
+  # One traced program: each chunk's dispatch and combine is a ragged
+  # exchange (2 a chunk a pass), lowered per platform. For cuda / tpu (as an
+  # ahead-of-time compile from this CPU process lowers it) the real
+  # ragged_all_to_all, and the one dense all-to-all left is of the row
+  # counts (int32); it is said once that it is synchronous. For CPU, which
+  # cannot run one, dense all-to-alls and no ragged op.
+  chunks = 2
+  x, _, weights, params, f, grad = _dropless_case(chunks=chunks)
+  for fn, passes in ((f, 1), (grad, 2)):
+    traced = jax.jit(fn).trace(x, weights, params)
+    names = [e.params["comm"].name for e in lowered.flat_eqns(traced.jaxpr)
+             if e.primitive is collective_start_p]
+    assert names == ["ragged_all_to_all"] * (2 * chunks * passes), names
+  traced = jax.jit(grad).trace(x, weights, params)
+  for platform in ("cuda", "tpu"):
+    not_async._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      text = traced.lower(lowering_platforms=(platform,)).as_text()
+    said = [str(w.message) for w in caught
+            if issubclass(w.category, jo.CollectiveNotAsyncWarning)]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"expert_parallel(capacity=None) on {platform}:")
+    assert text.count("@ragged_all_to_all(") == 2 * chunks * 2
+    dense = [l for l in text.splitlines() if "stablehlo.all_to_all" in l]
+    assert len(dense) == 1 and re.search(r"-> tensor<[0-9x]*xi32>", dense[0]), dense
+  not_async._warned.clear()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jo.CollectiveNotAsyncWarning)
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert "ragged_all_to_all" not in cpu and "stablehlo.all_to_all" in cpu
+
+
+def test_dropless_offsets_place_each_row_where_the_real_ragged_op_writes_it(
+    monkeypatch):
+  # On CPU the dropless exchange is the padded all-to-all, which does not
+  # read the offsets that GPU and TPU's real op gets. Run it instead as the
+  # ragged future's offset-driven stand-in (collectives/ragged.py, which
+  # writes chunk i where jax.lax.ragged_all_to_all would): values and
+  # gradients still equal the reference, so the offsets and sizes the real
+  # op is given place every row right, forward and backward.
+  monkeypatch.setattr(
+      ragged_exchange, "_by_padded_all_to_all",
+      lambda n_rows, axis, per: ragged.by_dense_all_to_all(n_rows, axis, None))
+  x, ids, weights, params, f, _ = _dropless_case(n=4, experts_local=2, k=2)
+  dy = np.random.default_rng(3).normal(size=x.shape).astype(np.float32)
+  y, pull = jax.vjp(jax.jit(f), x, weights, params)
+  want_y, want_grads = dense_reference(x, ids, weights, params,
+                                       np.ones(ids.shape, bool), dy)
+  _assert_close(y, want_y)
+  _assert_close(jax.jit(pull)(dy), want_grads, rtol=1e-4, atol=1e-4)
 
 
 # --- docs ---------------------------------------------------------------------

@@ -54,12 +54,15 @@ def is_expert_matmul(instr: schedule.Instr) -> bool:
   return bool(re.search(rf'op_name="[^"]*{EXPERT_SCOPE}[^"]*dot_general', instr.line))
 
 
-def moe_program(t, chunks: int, grad: bool):
+def moe_program(t, chunks: int, grad: bool, capacity=CAPACITY):
+  """The MoE block (value_and_grad of a loss with `grad`); `capacity=None`
+  is dropless (its `dropped` a zero here, so both return the same)."""
   n = t.n
 
   def block(x, ids, weights, params):
-    y, dropped = jax_overlap.expert_parallel(
-        expert, x, ids, weights, params, axis="x", capacity=CAPACITY, chunks=chunks)
+    out = jax_overlap.expert_parallel(
+        expert, x, ids, weights, params, axis="x", capacity=capacity, chunks=chunks)
+    y, dropped = out if capacity is not None else (out, jnp.zeros((), jnp.int32))
     return y, dropped[None]
 
   moe = jax.shard_map(block, mesh=t.mesh, in_specs=(P("x"),) * 4,
@@ -77,9 +80,10 @@ def moe_program(t, chunks: int, grad: bool):
 
 
 @functools.cache
-def _compiled(name: str, chunks: int, grad: bool) -> tuple[str, tuple[str, ...]]:
+def _compiled(name: str, chunks: int, grad: bool,
+              capacity=CAPACITY) -> tuple[str, tuple[str, ...]]:
   """(scheduled text, what the library said while compiling it)."""
-  fn, args = moe_program(target(name), chunks, grad)
+  fn, args = moe_program(target(name), chunks, grad, capacity)
   not_async._warned.clear()   # said once a process: each compile says its own
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -144,3 +148,30 @@ def test_a_synchronous_dispatch_has_nothing_in_flight_on_h100():
   assert "moe_expert" in text
   assert not [w for w in all_to_all_windows(text)
               if any(map(is_expert_matmul, w.between))]
+
+
+# --- dropless: a ragged all-to-all, synchronous ----------------------------------
+
+def _dense_all_to_alls(text: str) -> list[str]:
+  """The element types of the plain (not ragged) all-to-alls, sync or async."""
+  return re.findall(r"= \(?\(?([a-z0-9]+)\[[^=]*? all-to-all(?:-start)?\(", text)
+
+
+@pytest.mark.parametrize("name,grad", [
+    pytest.param(name, grad, id=f"{name}-{'value_and_grad' if grad else 'forward'}")
+    for name in ("gpu_h100", "tpu_v5e") for grad in (False, True)])
+def test_dropless_sends_the_routed_rows_by_ragged_all_to_all(name, grad):
+  # capacity=None, chunks=2: each chunk's dispatch and combine is a real
+  # ragged-all-to-all (2 a chunk a pass) of the [E * C_c, D] slots, sending
+  # only each expert's routed rows; the one dense all-to-all left is of the
+  # row counts (s32[chunks, devices, E_local]), not the E x T*k x D padded
+  # buffers every backend got before. XLA has no async ragged pair a
+  # program can place, so it is said once that the pass overlaps nothing.
+  chunks = 2
+  text, warned = _compiled(name, chunks, grad, None)
+  ragged = re.findall(r" ragged-all-to-all(?:-start)?\(", text)
+  assert len(ragged) == 2 * chunks * (2 if grad else 1), len(ragged)
+  assert _dense_all_to_alls(text) == ["s32"], _dense_all_to_alls(text)
+  platform = "tpu" if name.startswith("tpu") else "cuda"
+  assert len(warned) == 1 and warned[0].startswith(
+      f"expert_parallel(capacity=None) on {platform}:"), warned

@@ -25,9 +25,9 @@ traceback_util.register_exclusion(__file__)
 
 
 def _start_future(name: str, fn, x, params=None, *, aux=(),
-                  cpu_fn=None) -> Future:
+                  cpu_fn=None, sync_note=None) -> Future:
   """The future of `fn(x, *aux)`; `cpu_fn` computes the same where XLA:CPU
-  cannot run `fn`'s collective."""
+  cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`."""
   where = user_frame()
   try:
     if not isinstance(x, (jax.Array, core.Tracer)):
@@ -41,7 +41,7 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
     raise kind(f"{name}_start: {e}") from None
   form = None if params is None else _tpu_forms.trace_form(name, params, x)
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state, form, cpu_jaxpr)
+  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note)
   in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm, tuple(aux)))

@@ -22,21 +22,26 @@ class Comm:
     cpu_jaxpr: the same collective (same inputs and values) by ops XLA:CPU
       runs, where XLA:CPU cannot run `jaxpr`'s (ragged all-to-all); None
       where `jaxpr` runs everywhere.
+    sync_note: for a ragged all-to-all (synchronous on GPU and TPU), what to
+      say instead of the generic `CollectiveNotAsyncWarning`: a message with
+      `{platform}` in it, said once per platform; None for the generic one.
   `jaxpr` takes the operand `x` first and then the collective's integer
   arguments (`aux`: a ragged all-to-all's offsets and sizes), which are
   passed along the primitives (never differentiated). Compared by identity,
   like a jaxpr.
   """
 
-  __slots__ = ("name", "jaxpr", "state", "tpu_form", "cpu_jaxpr")
+  __slots__ = ("name", "jaxpr", "state", "tpu_form", "cpu_jaxpr",
+               "sync_note")
 
   def __init__(self, name: str, jaxpr, state: FutureState, tpu_form=None,
-               cpu_jaxpr=None):
+               cpu_jaxpr=None, sync_note: str | None = None):
     self.name = name
     self.jaxpr = jaxpr
     self.state = state
     self.tpu_form = tpu_form
     self.cpu_jaxpr = cpu_jaxpr
+    self.sync_note = sync_note
 
   def jaxpr_for(self, platforms) -> object:
     """The jaxpr to run or lower for `platforms` (a tuple of names)."""

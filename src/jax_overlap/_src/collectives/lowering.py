@@ -65,7 +65,7 @@ def _lower_start(ctx, x, *aux, comm, split):
     return [y, x]
   ragged = _ragged_op(y)
   if ragged is not None:
-    _say_ragged_is_sync(ctx, ragged)
+    _say_ragged_is_sync(ctx, ragged, comm)
     return [y, x]
   op = _collective_op(y)
   if op is not None and split and _sync_on_this_platform(ctx, op):
@@ -307,7 +307,7 @@ def _ragged_op(y):
   return None
 
 
-def _say_ragged_is_sync(ctx, op) -> None:
+def _say_ragged_is_sync(ctx, op, comm: Comm) -> None:
   """The real ragged all-to-all stays whole where the future starts: XLA's
   async custom calls (jax 0.12) take the five other collectives only
   ("No registered implementation for custom call to ragged-all-to-all-start
@@ -318,6 +318,10 @@ def _say_ragged_is_sync(ctx, op) -> None:
   if not accelerators:
     return
   platform = "/".join(accelerators)
+  if comm.sync_note is not None:   # the pattern that made it says why
+    not_async.warn_once(f"note:{platform}:{comm.sync_note}",
+                        comm.sync_note.format(platform=platform))
+    return
   not_async.warn_once(f"future:{platform}:ragged-all-to-all", (
       f"ragged_all_to_all_start on {platform}: XLA has no async ragged "
       "all-to-all pair a program can place (jax 0.12's async custom calls "

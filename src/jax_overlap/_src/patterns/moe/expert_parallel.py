@@ -15,6 +15,7 @@ from jax_overlap._src.patterns.moe.layout import (dispatch_layout,
                                                   gather_rows,
                                                   slots_per_expert)
 from jax_overlap._src.patterns.moe.pipeline import exchange_pipeline
+from jax_overlap._src.patterns.moe.ragged_exchange import received_sizes
 from jax_overlap._src.patterns.moe.transport import choose_transport
 from jax_overlap._src.patterns.moe.varying import vary_like
 
@@ -123,9 +124,16 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
       jnp.zeros((call.size * per_expert, x.shape[1]), x.dtype), x)
   one_expert = jax.tree.map(lambda p: p[0], expert_params)
   closed_fn, consts = jax.closure_convert(expert_fn, one_expert, example)
+  # Dropless sends only the routed rows (a ragged exchange): each side
+  # needs the rows of every (chunk, expert) it sends and receives, known
+  # before the ordered pipeline (one small all-to-all of the counts).
+  sizes = None
+  if call.capacity is None and call.size > 1:
+    sizes = (layout.sent, received_sizes(layout.sent, axis=call.axis,
+                                         experts_local=call.experts_local))
   y = _expert_parallel(call, closed_fn, x, weights,
                        (expert_params, tuple(consts)), layout.pair_in_slot,
-                       layout.slot_of_pair)
+                       layout.slot_of_pair, sizes)
   return y if call.capacity is None else (y, layout.dropped)
 
 
@@ -177,10 +185,10 @@ def _per_pair(call: Call, returned, slot_of_pair):
 
 
 def _forward(call: Call, expert_fn, x, weights, params, pair_in_slot,
-             slot_of_pair, *, save: bool):
+             slot_of_pair, sizes, *, save: bool):
   """(y, residuals): with `save`, the tokens each expert received (per
   chunk) and each (token, choice)'s expert output; else None."""
-  transport = choose_transport(call.axis, call.size)
+  transport = choose_transport(call.axis, call.size, sizes)
 
   def send(c):
     # Slot -> its pair's token (pair // k); an empty slot's T reads 0.
@@ -203,8 +211,8 @@ def _forward(call: Call, expert_fn, x, weights, params, pair_in_slot,
 
 
 def _backward(call: Call, expert_fn, weights, params, pair_in_slot,
-              slot_of_pair, received, outs, dy):
-  transport = choose_transport(call.axis, call.size)
+              slot_of_pair, sizes, received, outs, dy):
+  transport = choose_transport(call.axis, call.size, sizes)
   experts = lambda p, t: _all_experts(expert_fn, p, t)
   weight_of_pair = weights.reshape(-1).astype(dy.dtype)
 
@@ -243,26 +251,29 @@ def _cotangent_for(grad, primal):
 
 
 def _expert_parallel_impl(call, expert_fn, x, weights, params, pair_in_slot,
-                          slot_of_pair):
+                          slot_of_pair, sizes):
   return _forward(call, expert_fn, x, weights, params, pair_in_slot,
-                  slot_of_pair, save=False)[0]
+                  slot_of_pair, sizes, save=False)[0]
 
 
-def _fwd(call, expert_fn, x, weights, params, pair_in_slot, slot_of_pair):
+def _fwd(call, expert_fn, x, weights, params, pair_in_slot, slot_of_pair,
+         sizes):
   y, (received, outs) = _forward(call, expert_fn, x, weights, params,
-                                 pair_in_slot, slot_of_pair, save=True)
-  return y, (weights, params, pair_in_slot, slot_of_pair, received, outs)
+                                 pair_in_slot, slot_of_pair, sizes, save=True)
+  return y, (weights, params, pair_in_slot, slot_of_pair, sizes, received,
+             outs)
 
 
 def _bwd(call, expert_fn, residuals, dy):
-  weights, params, pair_in_slot, slot_of_pair, received, outs = residuals
+  weights, params, pair_in_slot, slot_of_pair, sizes, received, outs = \
+      residuals
   dx, d_weights, d_params = _backward(call, expert_fn, weights, params,
-                                      pair_in_slot, slot_of_pair, received,
-                                      outs, dy)
+                                      pair_in_slot, slot_of_pair, sizes,
+                                      received, outs, dy)
   d_params = jax.tree.map(_cotangent_for, d_params, params)
   # The tokens travelled in x's dtype.
   return (dx.astype(received[0].dtype), d_weights.astype(weights.dtype),
-          d_params, None, None)
+          d_params, None, None, None)
 
 
 _expert_parallel = jax.custom_vjp(_expert_parallel_impl,

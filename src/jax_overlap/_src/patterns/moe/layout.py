@@ -39,6 +39,9 @@ class Layout(NamedTuple):
   # ([chunks * E * C_c]), chunks * E * C_c if dropped.
   slot_of_pair: jax.Array
   dropped: jax.Array  # [] int32: this device's dropped (token, choice) pairs
+  # [chunks, E] int32: the kept pairs each chunk sends each expert, the
+  # filled slots at the front of its C_c (what a ragged exchange sends).
+  sent: jax.Array
 
 
 def slots_per_expert(tokens: int, k: int, capacity, chunks: int) -> int:
@@ -73,8 +76,13 @@ def dispatch_layout(expert_ids, *, experts: int, chunks: int, capacity,
   pair_in_slot = jnp.full((rows,), pairs, jnp.int32).at[slot].set(
       jnp.arange(pairs, dtype=jnp.int32), mode="drop")
   dropped = jnp.sum(~kept, dtype=jnp.int32)
+  per_expert_kept = counts[:experts]
+  if capacity is not None:
+    per_expert_kept = jnp.minimum(per_expert_kept, capacity)
+  before = jnp.arange(chunks, dtype=jnp.int32)[:, None] * per_expert
+  sent = jnp.clip(per_expert_kept[None, :] - before, 0, per_expert)
   return Layout(pair_in_slot.reshape(chunks, experts * per_expert), slot,
-                dropped)
+                dropped, sent.astype(jnp.int32))
 
 
 def gather_rows(rows, index):

@@ -4,8 +4,8 @@
 the expert devices), the experts' work on what arrived (`compute(c,
 arrived)`) and a combine of its reply back. Each step's one all-to-all
 carries chunk c+1's dispatch and chunk c-1's combine together
-(`transport.start(dispatch, combine)`), so one exchange is in flight at a
-time (TPU v5e takes no more) while the experts compute chunk c. One
+(`transport.start(dispatch=..., combine=...)`), so one exchange is in
+flight at a time (TPU v5e takes no more) while the experts compute chunk c. One
 `program_order(enforce=True)` block keeps this written order:
 
     arrived_0 = exchange(send 0)                     (nothing to hide it)
@@ -43,21 +43,24 @@ def exchange_pipeline(transport, chunks: int, *,
   @program_order(enforce=True)
   def ordered():
     returned, extras = [None] * chunks, [None] * chunks
-    (arrived,) = transport.start(free(send, 0)).done()
+    arrived, _ = transport.start(dispatch=(0, free(send, 0))).done()
     reply = None
     for c in range(chunks):
-      outgoing = ([free(send, c + 1)] if c + 1 < chunks else []) \
-          + ([reply] if reply is not None else [])
-      exchange = transport.start(*outgoing) if outgoing else None
+      dispatch = (c + 1, free(send, c + 1)) if c + 1 < chunks else None
+      combine = (c - 1, reply) if reply is not None else None
+      exchange = None
+      if dispatch is not None or combine is not None:
+        exchange = transport.start(dispatch=dispatch, combine=combine)
       new_reply, extras[c] = free(compute, c, arrived)
       if exchange is not None:
-        got = list(exchange.done())
-        if c + 1 < chunks:
-          arrived = got.pop(0)
-        if reply is not None:
-          returned[c - 1] = got.pop(0)
+        got_arrived, got_returned = exchange.done()
+        if dispatch is not None:
+          arrived = got_arrived
+        if combine is not None:
+          returned[c - 1] = got_returned
       reply = new_reply
-    (returned[chunks - 1],) = transport.start(reply).done()
+    _, returned[chunks - 1] = transport.start(
+        combine=(chunks - 1, reply)).done()
     return returned, extras
 
   return ordered()

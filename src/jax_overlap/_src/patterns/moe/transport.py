@@ -1,25 +1,28 @@
 """How a chunk's slots travel between the devices: the seam of the pattern.
 
-`PaddedTransport` sends fixed-size buffers of `E = E_local * axis_size`
-experts x `C_c` slots, padded with zeros where no token was routed, with
-`all_to_all_start`: device `i` sends expert block
-`[d * E_local, (d + 1) * E_local)` to device `d` and receives, from each
-source device, the slots of its own `E_local` experts. The same exchange
-takes the experts' outputs back (it is its own inverse), and it is its own
-transpose, so the backward pass uses it too.
+A transport's `start(dispatch=(c, buffer), combine=(c, buffer))` sends chunk
+`c`'s dispatch (each buffer `[axis_size, E_local, C_c, ...]`, block `d` to
+device `d`: the slots of its experts) and chunk `c`'s combine (the experts'
+replies, block `s` back to source device `s`), either of them None;
+`done()` gives `(arrived, returned)`, each the buffer received (block `s`
+from device `s`) or None. Two transports:
 
-`start(a, b, ...)` sends several buffers in *one* all-to-all (each
-flattened per destination and concatenated), so that the pipeline keeps
-one exchange in flight at a time: TPU v5e (libtpu 0.0.52) takes one async
-all-to-all at a time, and a second one started while the first is in
-flight would run synchronously.
-
-Every backend gets the padded transport today: dropless (`capacity=None`)
-sizes the slots for the worst case, `T * k` an expert over all chunks. A
-ragged all-to-all (`jax.lax.ragged_all_to_all`, which XLA:CPU cannot run)
-would send only the routed rows; it would replace this class (and the
-layout's slot assignment with per-destination offsets) on the backends that
-compile it, behind the same `start(...).done()` interface.
+* `PaddedTransport` (a capacity): the fixed-size buffers, padded with
+  zeros where no token was routed, by `all_to_all_start`. The exchange is
+  its own inverse and its own transpose, so the combine and the backward
+  pass use it too. Both legs go in *one* all-to-all (each flattened per
+  destination and concatenated), so that the pipeline keeps one exchange
+  in flight at a time: TPU v5e (libtpu 0.0.52) takes one async all-to-all
+  at a time, and a second one started while the first is in flight would
+  run synchronously.
+* `RaggedTransport` (dropless, `capacity=None`): each leg a ragged
+  all-to-all of the same buffers that sends only the routed rows
+  (`ragged_exchange.py`): the real `ragged-all-to-all` on GPU and TPU
+  (synchronous there), the padded all-to-all on CPU, which cannot run one,
+  chosen when the program is lowered. Dropless buffers are sized for the
+  worst case, `T * k` slots an expert over all chunks, so on GPU and TPU
+  this moves the routed rows where the padded buffers would move `E * T * k`
+  rows a device.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap import all_to_all_start
+from jax_overlap._src.patterns.moe.ragged_exchange import ragged_blocks_start
 from jax_overlap._src.patterns.moe.varying import vary_like
 
 
@@ -72,13 +76,44 @@ def _flat(buffer, as_bytes: bool):
   return buffer.reshape(buffer.shape[0], -1)
 
 
+class _Legs(NamedTuple):
+  """An exchange of what was given of (dispatch, combine)."""
+
+  exchange: Any      # done() -> the given legs' buffers, in that order
+  legs: tuple        # (dispatch given, combine given)
+
+  def done(self):
+    got = list(self.exchange.done())
+    return tuple(got.pop(0) if given else None for given in self.legs)
+
+
+class _Each(NamedTuple):
+  """Several exchanges, finished in the order they started."""
+
+  exchanges: tuple
+
+  def done(self):
+    return tuple(e.done() for e in self.exchanges)
+
+
+def _given(dispatch, combine):
+  legs = tuple(leg for leg in (dispatch, combine) if leg is not None)
+  return legs, (dispatch is not None, combine is not None)
+
+
 class PaddedTransport(NamedTuple):
   """Fixed-size `[axis_size, ...]` buffers over mesh axis `axis`."""
 
   axis: Any
   size: int
 
-  def start(self, *buffers):
+  def start(self, dispatch=None, combine=None):
+    """`dispatch` and `combine`, `(chunk, buffer)` or None, in one
+    all-to-all."""
+    legs, given = _given(dispatch, combine)
+    return _Legs(self._start(*(buffer for _, buffer in legs)), given)
+
+  def _start(self, *buffers):
     """Starts sending `buffers` (each `[axis_size, ...]`, block `d` to device
     `d`) in one all-to-all; `done()` gives them back, block `s` of each from
     device `s`."""
@@ -105,6 +140,36 @@ class _One(NamedTuple):
     return (self.future.done(),)
 
 
-def choose_transport(axis, size: int) -> PaddedTransport:
-  """The transport for this call: padded on every backend, for now."""
-  return PaddedTransport(axis, size)
+class RaggedTransport(NamedTuple):
+  """Only the routed rows of each buffer, by a ragged all-to-all a leg."""
+
+  axis: Any
+  size: int
+  sent: Any        # [chunks, E]: rows this device sends each expert
+  received: Any    # [chunks, E]: rows each (source, local expert) receives
+
+  def start(self, dispatch=None, combine=None):
+    """`dispatch` and `combine`, `(chunk, buffer)` or None: one ragged
+    all-to-all each (synchronous on GPU and TPU: nothing to keep to one in
+    flight)."""
+    legs, given = _given(dispatch, combine)
+    if self.size == 1:
+      return _Legs(_Here(tuple(buffer for _, buffer in legs)), given)
+    exchanges = []
+    if dispatch is not None:
+      c, buffer = dispatch
+      exchanges.append(ragged_blocks_start(buffer, self.sent[c],
+                                           self.received[c], axis=self.axis))
+    if combine is not None:
+      c, buffer = combine
+      exchanges.append(ragged_blocks_start(buffer, self.received[c],
+                                           self.sent[c], axis=self.axis))
+    return _Legs(_Each(tuple(exchanges)), given)
+
+
+def choose_transport(axis, size: int, sizes=None):
+  """Ragged for a dropless call (`sizes`: `(sent, received)`, each
+  `[chunks, E]`), else padded."""
+  if sizes is None:
+    return PaddedTransport(axis, size)
+  return RaggedTransport(axis, size, *sizes)
