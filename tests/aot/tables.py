@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -44,7 +45,11 @@ COLUMNS = [(f"`{k}_start`", "future", (k,)) for k in
     ("`fsdp_scan` explicit, grad", "fsdp_explicit", (True,)),
     ("`all_gather_matmul` fwd / bwd", "collective_matmul", ("all_gather_matmul",)),
     ("`matmul_reduce_scatter` fwd / bwd", "collective_matmul", ("matmul_reduce_scatter",)),
+    ("`expert_parallel` fwd / grad", "moe", ("capacity",)),
+    ("`expert_parallel` dropless, fwd / grad", "moe", ("dropless",)),
 ]
+#: expert_parallel's chunks in the table (the default).
+MOE_CHUNKS = 2
 PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")
 
 
@@ -114,12 +119,33 @@ def _fsdp_cell(rt, name, text, warned, grad):
   return cell + (f", {_said(warned)}" if warned else "")
 
 
+def _moe_cell(mc, text, warned, kind, grad):
+  passes = 2 if grad else 1
+  said = f", {_said(warned)}" if warned else ""
+  if kind == "capacity":
+    # all-to-alls with an expert matmul in flight / wanted: all of a pass's
+    # but its first and last (moe_compiled_test.py)
+    pairs = mc.all_to_all_windows(text)
+    inside = sum(any(map(mc.is_expert_matmul, w.between)) for w in pairs)
+    return f"{inside}/{MOE_CHUNKS * passes}{said}"
+  ragged = len(re.findall(r" ragged-all-to-all(?:-start)?\(", text))
+  beside = sum(any(map(mc.is_expert_matmul, w.between))
+               for w in mc.schedule.windows(text) if w.kind == "ragged-all-to-all")
+  padded = [t for t in mc._dense_all_to_alls(text) if t != "s32"]
+  cell = f"ragged {ragged}, {beside} with a matmul"
+  if padded:
+    cell += f", {len(padded)} padded all-to-all"
+  return cell + said
+
+
 def child(name: str) -> None:
   """Prints one JSON line a cell for target `name`, as each is made."""
   sys.path[:0] = [str(HERE), str(HERE.parent)]
   import real_compilers_test as rt  # noqa: PLC0415
   import schedule  # noqa: PLC0415
   import schedule_test as st  # noqa: PLC0415
+  import moe_compiled_test as mc  # noqa: PLC0415
+  rt.PROGRAMS.setdefault("moe", mc.moe_program)
 
   def say(column, cell):
     print(json.dumps({"target": name, "column": column, "cell": cell}), flush=True)
@@ -138,10 +164,12 @@ def child(name: str) -> None:
   except Exception as e:  # noqa: BLE001
     say("order", _why(e))
   for column, key, extra in COLUMNS:
-    grads = (False, True) if key == "collective_matmul" else (None,)
+    grads = (False, True) if key in ("collective_matmul", "moe") else (None,)
     cells = []
     for grad in grads:
       args = extra if grad is None else (*extra, grad)
+      if key == "moe":
+        args = (MOE_CHUNKS, grad, None if extra[0] == "dropless" else mc.CAPACITY)
       try:
         text, warned = rt._compiled(name, key, *args)
       except Exception as e:  # noqa: BLE001
@@ -149,6 +177,8 @@ def child(name: str) -> None:
         continue
       if key == "future":
         cells.append(_future_cell(rt, name, text, warned, extra[0]))
+      elif key == "moe":
+        cells.append(_moe_cell(mc, text, warned, extra[0], grad))
       elif key.startswith("fsdp"):
         cells.append(_fsdp_cell(rt, name, text, warned, extra[0]))
       else:
@@ -208,7 +238,12 @@ def merge(files) -> str:
             "(all gathers but each pass's first layer's, all reduce-scatters but "
             "the last layer's); on TPU a psum_scatter_start is its TPU form, an all-to-all "
             "(v5p: the gathers too, *forms*). Collective matmul, forward / backward: async "
-            "permutes with a block matmul in the window / all permutes. *warned*: "
+            "permutes with a block matmul in the window / all permutes. expert_parallel "
+            "(2 chunks, capacity 8 of an average 4; 16 experts, 2 a device), forward / "
+            "value_and_grad: *k/n*: k all-to-alls with an expert matmul in flight, n wanted "
+            "(all of a pass's but its first and last); dropless: the ragged all-to-alls, "
+            "how many have an expert matmul in flight, and any padded (non-count) "
+            "all-to-all. *warned*: "
             "the library said so at compile time; *NOT said*: it did not.", 90), "",
             "| target, jax | " + " | ".join(c[0] for c in COLUMNS) + " |",
             "|---|" + "---|" * len(COLUMNS)]

@@ -3,8 +3,9 @@
 One idea a module: `arguments` (the checks at the call), `layout` (which
 (token, choice) goes to which slot, the capacity rule, the dropped count),
 `varying` (buffers typed to vary like the tokens they hold), `transport`
-(how a chunk's slots travel: the seam where a ragged all-to-all can replace
-padded buffers), `pipeline` (the chunked, fenced schedule shared by the
+(how a chunk's slots travel: padded buffers with a capacity, a ragged
+exchange dropless), `ragged_exchange` (the dropless exchange of the routed
+rows, per platform), `pipeline` (the chunked, fenced schedule shared by the
 forward and backward passes) and `expert_parallel` (the public function and
 its `custom_vjp`). See docs/moe.md.
 """

@@ -53,9 +53,14 @@ def expert_parallel(expert_fn: Callable[[Any, Any], Any], x, expert_ids,
   over it contribute 0. Each expert has `C = min(capacity, T * k)` slots
   for this device, and chunk c sends slots `[c * C / chunks, (c + 1) * C /
   chunks)` of every expert (`ceil(C / chunks)` rows each), so the chunks
-  together send what one exchange would. `capacity=None` is dropless: every
-  backend gets padded buffers of the worst case, `C = T * k` (a ragged
-  all-to-all is not used yet: XLA:CPU cannot run one).
+  together send what one exchange would. `capacity=None` is dropless:
+  buffers of the worst case, `C = T * k`, of which on GPU and TPU only the
+  routed rows travel, by `jax.lax.ragged_all_to_all`; that runs
+  synchronously there (XLA has no async ragged all-to-all a program can
+  place; a `CollectiveNotAsyncWarning` says so at compile time), so a
+  dropless pass overlaps nothing: give a capacity for the overlap. CPU,
+  which cannot run a ragged all-to-all, sends the padded buffers. The form
+  is chosen per platform when the program is lowered.
 
   An id outside `[0, E)` is an error when `expert_ids` is known at the call
   (a NumPy array); a traced one cannot be checked and is dropped: that
