@@ -239,7 +239,7 @@ def merge(files) -> str:
             "the last layer's); on TPU a psum_scatter_start is its TPU form, an all-to-all "
             "(v5p: the gathers too, *forms*). Collective matmul, forward / backward: async "
             "permutes with a block matmul in the window / all permutes. expert_parallel "
-            "(2 chunks, capacity 8 of an average 4; 16 experts, 2 a device), forward / "
+            "(moe_compiled_test.py's block: 2 chunks, 2 experts a device, top-2, capacity 8), forward / "
             "value_and_grad: *k/n*: k all-to-alls with an expert matmul in flight, n wanted "
             "(all of a pass's but its first and last); dropless: the ragged all-to-alls, "
             "how many have an expert matmul in flight, and any padded (non-count) "
