@@ -10,7 +10,9 @@ Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
   TPU form of a program holding more than one where libtpu refuses them in
   flight (it allows one async all-to-all at a time) or aborts on them (v5p);
   and a `ragged_all_to_all_start` on GPU or TPU (XLA has no async custom call
-  for it: the real op runs whole at the start);
+  for it: the real op runs whole at the start), among them the dropless
+  exchange of `expert_parallel(capacity=None)`, which says so in its own
+  words (`Comm.sync_note`);
 * a plain synchronous collective (`jax.lax.all_gather`, `psum`, ...) inside
   an ordered block compiled for TPU or GPU: the fences keep it synchronous
   where XLA left to itself would have made it async. Use its `*_start`

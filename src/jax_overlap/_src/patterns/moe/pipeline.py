@@ -16,7 +16,8 @@ flight at a time (TPU v5e takes no more) while the experts compute chunk c. One
     returned_{m-1} = exchange(reply_{m-1})           (nothing to hide it)
 
 so a pass has m + 2 all-to-alls (2 when m = 1), each but the first and last
-beside the experts. The forward pass sends tokens and receives expert
+beside the experts. (Dropless, each leg is a ragged exchange of its own, 2m
+a pass, synchronous on GPU and TPU: transport.py.) The forward pass sends tokens and receives expert
 outputs; the backward pass sends output cotangents and receives token
 cotangents, the experts' backward in between: the same schedule. The pieces
 of compute (building a buffer, the experts) are free blocks
