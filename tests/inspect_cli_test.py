@@ -148,6 +148,36 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
   assert err.startswith("jax-overlap inspect: error: ")
 
 
+REAL = FIXTURES / "real"
+TPU_DUMP = str(REAL / "tpu_dp_tp_mlp-jax0.12.0.1.after_optimizations.txt")
+GPU_DUMP = str(REAL / "gpu_dp_tp_mlp-jax0.12.0.1.after_optimizations.txt")
+CPU_DUMP = str(REAL / "cpu-jax0.12.0.1-jaxlib0.12.0.1.dump.txt")
+
+
+@pytest.mark.parametrize("path, profile, why", [
+    (TPU_DUMP, "tpu-v5e", "the default for a TPU dump"),
+    (str(FIXTURES / "tpu_loop.txt"), "tpu-v5e", "the default for a TPU dump"),
+    (GPU_DUMP, "h100", "the default for a GPU dump"),
+    (CPU_DUMP, "h100", "the default; the dump does not say its platform"),
+], ids=["tpu", "tpu-hand-written", "gpu", "cpu"])
+def test_default_profile_follows_the_dumps_platform(capsys, path, profile, why):
+  code, out, _ = run(capsys, "inspect", path)
+  assert code == 0
+  assert f"times modelled on {profile}, not measured" in out.splitlines()[1]
+  assert f"No hardware was named: modelled on {profile}, {why}" in out
+  code, out, _ = run(capsys, "inspect", path, "--json")
+  assert json.loads(out)["hardware"]["name"] == profile
+
+
+def test_a_named_profile_wins_over_the_dumps_platform(capsys):
+  code, out, _ = run(capsys, "inspect", TPU_DUMP, "--hardware", "h100")
+  assert code == 0 and "times modelled on h100" in out
+  assert "No hardware was named" not in out
+  # A diff models both dumps on one profile: by default, A's.
+  code, out, _ = run(capsys, "inspect", "--diff", TPU_DUMP, GPU_DUMP)
+  assert code == 0 and "(times modelled on tpu-v5e, not measured)" in out
+
+
 def test_argparse_errors_exit_2(capsys):
   with pytest.raises(SystemExit) as info:
     main(["nosuchcommand"])
@@ -164,6 +194,11 @@ def test_python_dash_m(tmp_path):
                       env=env, timeout=300)
   assert ok.returncode == 0, ok.stderr
   assert json.loads(ok.stdout)["collectives"][0]["kind"] == "all-gather"
+  tpu = subprocess.run([sys.executable, "-m", "jax_overlap", "inspect",
+                        TPU_DUMP], capture_output=True, text=True, env=env,
+                       timeout=300)
+  assert tpu.returncode == 0, tpu.stderr
+  assert "times modelled on tpu-v5e, not measured" in tpu.stdout
   bad = subprocess.run([sys.executable, "-m", "jax_overlap", "inspect",
                         str(tmp_path / "nothing.txt")], capture_output=True,
                        text=True, env=env, timeout=300)

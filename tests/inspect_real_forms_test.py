@@ -358,6 +358,13 @@ def test_every_real_fixture_reads_as_an_independent_count_says(path):
   assert [(n, b if b is not None else c_b, r) for (n, b, r), (_, c_b, _) in
           zip(expected_copies, copies)] == copies
   assert len(expected_copies) == len(copies)
+  # With no hardware named, the profile follows the platform the file's
+  # maker compiled for (its name says it; the text says it by its marks).
+  platform = re.match(r"(?:readers-)?(tpu|gpu|cpu)", path.name).group(1)
+  assert report.hardware.name == ("tpu-v5e" if platform == "tpu" else "h100")
+  said = {"tpu": "the default for a TPU dump", "gpu": "the default for a GPU "
+          "dump", "cpu": "the dump does not say its platform"}[platform]
+  assert any(said in n for n in report.notes), report.notes
 
 
 @pytest.mark.parametrize("stem", sorted(PAIRS), ids=str)

@@ -6,7 +6,8 @@
 
 FILE is a scheduled HLO text dump: *after_optimizations.txt from
 XLA_FLAGS=--xla_dump_to=DIR, or compiled.as_text(). All times are modelled on
-the hardware profile (default h100), not measured. The default output is a
+the hardware profile (default: tpu-v5e for a TPU dump, h100 otherwise), not
+measured. The default output is a
 summary (totals, the collectives that expose the most, what to change);
 --full prints every collective. Exit status: 0 on
 success, 2 for bad input (unreadable file, malformed HLO, unknown hardware).
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--hardware", metavar="NAME|FILE", default=None,
       help="a built-in profile (" + ", ".join(HardwareProfile.builtin_names())
-      + ") or a .toml/.json profile file; default h100")
+      + ") or a .toml/.json profile file; default tpu-v5e for a TPU dump "
+      "(tiled layouts), else h100")
   parser.add_argument("--json", action="store_true",
                       help="print the report as JSON")
   parser.add_argument("--full", action="store_true",
@@ -62,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
     return _fail("--timeline and --trace draw one report; drop --diff")
   try:
     if args.diff:
-      a, b = (OverlapReport.from_hlo(p, hardware=args.hardware)
-              for p in args.diff)
+      a = OverlapReport.from_hlo(args.diff[0], hardware=args.hardware)
+      # Both on one profile (with none named, the one A's platform chose).
+      b = OverlapReport.from_hlo(args.diff[1],
+                                 hardware=args.hardware or a.hardware)
       diff = diff_reports(a, b)
       if args.json:
         print(json.dumps(diff.to_dict(), indent=2))

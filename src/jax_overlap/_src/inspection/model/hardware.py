@@ -18,6 +18,10 @@ from typing import Any, Mapping
 from jax_overlap._src.inspection.errors import HardwareProfileError
 
 DEFAULT_PROFILE = "h100"
+#: The profile a dump is modelled on when none is named, by the platform its
+#: text says it was compiled for (`reading/platform.py`); the dump does not
+#: say which chip, so the one the real TPU fixtures are compiled for.
+PLATFORM_PROFILES = {"tpu": "tpu-v5e", "gpu": "h100"}
 _BUILTIN_FILE = pathlib.Path(__file__).with_name("profiles.toml")
 _NUMBERS = {
     "peak_tflops": "dense bf16 TFLOP/s of one chip",
@@ -176,6 +180,12 @@ def resolve_hardware(hardware) -> HardwareProfile:
   raise HardwareProfileError(
       f"hardware must be None, a name ({', '.join(_builtin())}), a profile "
       f"file path or a HardwareProfile; got {type(hardware).__name__}")
+
+
+def default_for_platform(platform: str | None) -> HardwareProfile:
+  """The profile for a module compiled for `platform` ('tpu', 'gpu'; None
+  where the module does not say): `PLATFORM_PROFILES`, else h100."""
+  return HardwareProfile.named(PLATFORM_PROFILES.get(platform, DEFAULT_PROFILE))
 
 
 _CACHE: dict[str, HardwareProfile] = {}

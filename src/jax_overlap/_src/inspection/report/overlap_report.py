@@ -13,8 +13,9 @@ import os
 from typing import Any
 
 from jax_overlap._src.inspection.model.hardware import (
-    HardwareProfile, resolve_hardware)
+    HardwareProfile, default_for_platform, resolve_hardware)
 from jax_overlap._src.inspection.reading import hlo_text
+from jax_overlap._src.inspection.reading.platform import compiled_for
 from jax_overlap._src.inspection.report import analysis
 from jax_overlap._src.inspection.report.records import (
     CollectiveRecord, CopyRecord, WrittenRecord, _plain)
@@ -85,15 +86,22 @@ class OverlapReport:
         'HloModule') is text, anything else a path.
       hardware: a built-in profile name ('h100', 'a100', 'tpu-v5e',
         'tpu-v5p'), a `HardwareProfile`, or a .toml/.json profile path; None
-        for the default (h100).
+        for the default of the dump's platform: tpu-v5e for a TPU dump (its
+        layouts are tiled), h100 for a GPU one or where nothing says (a
+        note in the report says which was taken and why).
 
     Raises:
       HloParseError: unreadable, malformed or truncated input, naming the line.
       HardwareProfileError: an unknown profile name or a bad profile file.
     """
-    profile = resolve_hardware(hardware)
+    profile = None if hardware is None else resolve_hardware(hardware)
     module = hlo_text.load_hlo(text_or_path)
-    return cls.build(module, profile, source=module.source)
+    if profile is not None:
+      return cls.build(module, profile, source=module.source)
+    platform = compiled_for(module)
+    profile = default_for_platform(platform)
+    return cls.build(module, profile, source=module.source,
+                     notes=[_default_profile_note(profile, platform)])
 
   @classmethod
   def build(cls, module, hardware: HardwareProfile, **how) -> OverlapReport:
@@ -154,3 +162,13 @@ class OverlapReport:
     ui.perfetto.dev and chrome://tracing open."""
     from jax_overlap._src.inspection.report import timeline  # noqa: PLC0415
     timeline.write_trace(self, path)
+
+
+def _default_profile_note(profile: HardwareProfile, platform: str | None) -> str:
+  """Why a dump read with no hardware named is modelled on `profile`."""
+  why = {"tpu": "the default for a TPU dump (its layouts are tiled); the dump "
+                "does not say which TPU",
+         "gpu": "the default for a GPU dump; the dump does not say which GPU",
+         }.get(platform, "the default; the dump does not say its platform")
+  return (f"No hardware was named: modelled on {profile.name}, {why}. Name "
+          "the chip with --hardware (hardware= in Python).")

@@ -30,11 +30,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.layer_inputs import differentiable
+from jax_overlap._src.patterns.varying import vary_over
 
 
 class _Lifted:
@@ -89,10 +89,7 @@ def _eval_with_varying_consts(jaxpr, consts, args) -> list:
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     if eqn.primitive.name == "pvary" and len(invals) == 1:
-      have = _compat.varying_axes(invals[0]) or frozenset()
-      axes = tuple(a for a in eqn.params["axes"] if a not in have)
-      outs = [invals[0] if not axes else
-              jax.lax.pcast(invals[0], axes, to="varying")]
+      outs = [vary_over(invals[0], eqn.params["axes"])]
     else:
       outs = _compat.bind_eqn(eqn, invals)
     for v, o in zip(eqn.outvars, outs):
@@ -283,8 +280,7 @@ def _varying_like_outputs(c, out_avals, typed: dict):
   if not outs or mine is None or any(o is None for o in outs):
     typed[id(c)] = c   # no vma tracking (explicit mesh, check_vma=False)
     return c
-  missing = tuple(sorted(frozenset.intersection(*outs) - mine))
-  typed[id(c)] = lax.pcast(c, missing, to="varying") if missing else c
+  typed[id(c)] = vary_over(c, sorted(frozenset.intersection(*outs)))
   return typed[id(c)]
 
 

@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import jax
 
-from jax_overlap._src import _compat
-
-
-def varying(a) -> frozenset:
-  """The mesh axes `a` varies over; empty where they are not tracked."""
-  return _compat.varying_axes(a) or frozenset()
+from jax_overlap._src.patterns.varying import vary_over, varying
 
 
 def vary_like(a, *likes, axis=None):
   """`a`, cast to vary over every axis any of `likes` (and `axis`) varies
   over."""
-  if _compat.varying_axes(a) is None:   # check_vma=False: nothing to cast
-    return a
   every = frozenset() if axis is None else frozenset({axis})
   for like in jax.tree.leaves(likes):
     every |= varying(like)
-  missing = tuple(sorted(every - varying(a), key=str))
-  return jax.lax.pcast(a, missing, to="varying") if missing else a
+  return vary_over(a, sorted(every, key=str))
