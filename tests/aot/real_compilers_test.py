@@ -579,8 +579,11 @@ def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
   # of one gathered layer, against every layer regathered
   # (reshard_after_forward=True): keeping the last layer (the default) is
   # free (the backward pass holds its weights first anyway); prefetch=2
-  # holds at least one more layer, prefetch=3 one more again. Measured
-  # 0.00, 1.60 and 1.50 layers (jax 0.12.0.1).
+  # holds one more gathered layer and no more, prefetch=3 one more again.
+  # Measured 4.87 layers for the default, +0.83 and +0.72 (jax 0.12.0.1);
+  # before the steps' dones were fenced in (patterns/fsdp/transfer.py) and
+  # the pipelined steps' gathers held to their step (pipelined.py): 6.63,
+  # +1.60 and +1.50.
   t = target("gpu_h100")
   n, width = 6, 256
   w = arg(t, (n, width, width), P(None, "x"))
@@ -602,13 +605,15 @@ def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
   # the two starts, and the verifier refused one start with two dones.
   prefetch_3 = temp(reshard_after_forward=True, prefetch=3)
   assert keep_last <= default + 0.1, (default, keep_last)
-  assert prefetch_2 >= default + 0.9, (default, prefetch_2)
-  assert prefetch_3 >= prefetch_2 + 0.9, (prefetch_2, prefetch_3)
-  if prefetch_2 > default + 1.1:
-    pytest.xfail(f"prefetch=2 holds {prefetch_2 - default:.2f} more gathered "
-                 "layers, not 1 (bucket=False: 0.9; likely the first step's "
-                 "two bucketed gathers in flight at once, not confirmed); "
-                 "open (issue 20)")
+  # What the step holds besides the weights' shards: a gathered layer in
+  # use, the next in flight, a layer's gradient and the one being
+  # reduce-scattered, and the buckets' packing copies; 6.63 when the
+  # dones were free to sink.
+  assert default <= 5.5, default
+  # Each layer more ahead: about one gathered layer (the heap's packing
+  # moves it by a few tenths), never the 1.6 it was.
+  assert 0.5 <= prefetch_2 - default <= 1.1, (default, prefetch_2)
+  assert 0.5 <= prefetch_3 - prefetch_2 <= 1.1, (prefetch_2, prefetch_3)
 
 
 @needs_pairs

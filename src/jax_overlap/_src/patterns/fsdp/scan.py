@@ -89,7 +89,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       (`shard_map(..., check_vma=False)`) that cannot be seen, so say None
       there. On an explicit-sharding mesh a leaf whose sharding does not
       mention `axis` is kept replicated the same way.
-    unroll: how many layers each iteration of the underlying `lax.scan` runs.
+    unroll: how many layers each iteration of the underlying `lax.scan` runs
+      (with `prefetch` p > 1, rounded up to a multiple of p; 1 stays 1).
     remat_policy: a `jax.checkpoint` policy (a function such as
       `jax.checkpoint_policies.nothing_saveable`, not its name): the layer
       is recomputed in the backward pass as it says, instead of saving all
