@@ -37,6 +37,11 @@ holding several such futures:
   backward over 2 or 3 layers with them async, tied or not; generations not
   measured), each is finished where it starts before the compile (warned).
 
+A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
+(`patterns/fsdp/explicit_ties.py`) gets the GPU bound raised to the number of
+ties (two a step), as if each were a start: a backward step has the
+partitioner's gather and reduce-scatter in flight at once.
+
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
 """
@@ -127,7 +132,13 @@ def _options_for(computation, platform: str, user_options, *,
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
-  wanted = overlap_options(platform, _compat.async_collective_starts(computation))
+  starts = _compat.async_collective_starts(computation)
+  ties = _explicit_fsdp_ties(computation) if platform in _GPU_PLATFORMS else 0
+  if ties:
+    # fsdp_scan on an explicit mesh: each tied step may have a gather and a
+    # reduce-scatter of XLA's partitioner in flight (explicit_ties.py).
+    starts = {**starts, "fsdp-explicit-step": ties}
+  wanted = overlap_options(platform, starts)
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
 
 
@@ -138,6 +149,11 @@ def _options_for(computation, platform: str, user_options, *,
 #: insertion, with or without the ties), so there, and on any generation not
 #: measured, they are finished where they start, as before.
 FORMS_IN_FLIGHT_KINDS = frozenset({"TPU v5 lite"})
+
+
+def _explicit_fsdp_ties(computation) -> int:
+  from jax_overlap._src.patterns.fsdp import explicit_ties  # noqa: PLC0415
+  return explicit_ties.count(computation)
 
 
 def _form_count(computation) -> int:
