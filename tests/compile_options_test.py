@@ -253,3 +253,34 @@ def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch):
     compile_options._options_for(other, "tpu", {}, device_kind="TPU v5")
   assert not _form_starts(other) and _form_windows(other) == [[], []]
   assert lowering.chain_form_starts(other) == 0
+
+
+@pytest.mark.skipif(not (hasattr(jax, "reshard")
+                         and hasattr(jax.sharding, "AxisType")),
+                    reason="this jax lacks AxisType.Explicit or jax.reshard")
+def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
+  # Lowered for GPU, each step's reshards are tied into it (two barriers a
+  # step: patterns/fsdp/explicit_ties.py), and the module gets the GPU bound
+  # on collectives in flight raised to that and the latency-hiding
+  # scheduler on; lowered for CPU there is no tie (tests/aot checks what the
+  # H100 and A100 compilers make of it).
+  from jax_overlap._src.patterns.fsdp import explicit_ties  # noqa: PLC0415
+  mesh = jax.make_mesh((2,), ("i",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  sharded = lambda a, spec: jax.device_put(a, jax.NamedSharding(mesh, spec))
+  x = sharded(jnp.ones((4, 8)), P("i"))
+  w = sharded(jnp.ones((3, 8, 8)), P(None, "i"))
+  loss = lambda x, w: jax_overlap.fsdp_scan(
+      lambda x, w: jnp.tanh(x @ w), x, w, axis="i").sum()
+  f = jax.jit(jax.value_and_grad(loss, argnums=1))
+  use_mesh = jax.set_mesh if hasattr(jax, "set_mesh") else jax.sharding.use_mesh
+  with use_mesh(mesh):
+    gpu = f.trace(x, w).lower(lowering_platforms=("cuda",)).compiler_ir()
+    cpu = f.trace(x, w).lower(lowering_platforms=("cpu",)).compiler_ir()
+  ties = explicit_ties.count(gpu)
+  assert ties >= 4 and ties % 2 == 0, ties
+  assert explicit_ties.count(cpu) == 0
+  assert compile_options._options_for(gpu, "cuda", {}) == {
+      compile_options.GPU_OVERLAP_LIMIT: ties,
+      compile_options.GPU_LATENCY_HIDING: True}
+  assert compile_options._options_for(cpu, "cpu", {}) == {}

@@ -408,11 +408,9 @@ SHORT_TODAY = {
         "and the library does not say so yet; open (issue 16)"),
     ("explicit", "tpu_v5e"): (
         "fsdp_scan on an Explicit mesh (jax.reshard, no futures): TPU v5e "
-        "compiles every gather synchronous; open (issue 16)"),
-    ("explicit", "gpu_h100"): (
-        "fsdp_scan on an Explicit mesh (jax.reshard, no futures): on H100 "
-        "XLA combines the layers' gathers into one synchronous all-gather "
-        "before the loop; open (issue 16)"),
+        "compiles every gather synchronous at these sizes (at width 128, 3 "
+        "of 6 forward gathers overlap), and tying them into the step as on "
+        "GPU made it worse; open (issue 16)"),
 }
 
 
@@ -480,24 +478,42 @@ def test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_v5e():
   assert not warned, warned
 
 
-@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def _weights_moved(text, windows):
+  """How many weights the windows with a matmul move: GPU combines a
+  layer's partitioner-made gathers (and reduce-scatters) into one
+  collective of a tuple, one operand a weight."""
+  comps = schedule.scheduled(text)
+  return sum(len(comps[w.computation][w.start].operands)
+             for w in windows if w.matmuls >= 1)
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100", "gpu_a100"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "value_and_grad"])
 def test_fsdp_scan_on_an_explicit_mesh(name, grad):
-  # As the shard_map context: each gather but the first layer's (each pass)
-  # in flight across matmuls, and on GPU each reduce-scatter but the last.
+  # As the shard_map context: each weight's gather but the first layer's
+  # (each pass) in flight across matmuls, and each reduce-scatter but the
+  # last layer's. On GPU each step's moves are tied into it
+  # (patterns/fsdp/explicit_ties.py); without the ties H100 combined every
+  # layer's gather into one before the loop (0 of 6 weights, and 0 of 11
+  # and 0 of 6 for value_and_grad), and A100 (latency-hiding scheduler off
+  # in its spec, on for modules with ties) made them synchronous.
   text, warned = _compile(name, "fsdp_explicit", grad)
   passes = 2 if grad else 1
   gathers = _async(text, "all-gather")
-  got, wanted = sum(w.matmuls >= 1 for w in gathers), passes * (LAYERS - 1) * WEIGHTS
-  # Today nothing overlaps there, and the user is told so at the call (a
-  # warning that must go once the compilers overlap these moves).
+  got, wanted = _weights_moved(text, gathers), passes * (LAYERS - 1) * WEIGHTS
+  if grad:
+    # Layer 0's backward does not read "a" (x's cotangent is not asked
+    # for), so XLA drops that regather: 11 moved of 12 (H100).
+    wanted -= 1
+  # Where the compiler does not overlap them (TPU), the user is told so at
+  # the call (a warning that must go once it does).
   said = any("fsdp_scan on an explicit mesh" in m for m in warned)
   assert said == (got < wanted), (said, got, wanted, warned)
   _short("explicit", name, got, wanted)
   assert got >= wanted, gathers
   if grad and not name.startswith("tpu"):
     scatters = _async(text, "reduce-scatter")
-    assert sum(w.matmuls >= 1 for w in scatters) >= (LAYERS - 1) * WEIGHTS, scatters
+    assert _weights_moved(text, scatters) >= (LAYERS - 1) * WEIGHTS, scatters
 
 
 @needs_pairs

@@ -37,6 +37,13 @@ holding several such futures:
   backward over 2 or 3 layers with them async, tied or not; generations not
   measured), each is finished where it starts before the compile (warned).
 
+A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
+(`patterns/fsdp/explicit_ties.py`) gets the GPU bound raised to the number of
+ties (two a step), as if each were a start: a backward step has the
+partitioner's gather and reduce-scatter in flight at once. It also gets
+`xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
+tied collectives; the A100 spec has it off).
+
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
 jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
 """
@@ -51,6 +58,7 @@ from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
 TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
@@ -127,7 +135,19 @@ def _options_for(computation, platform: str, user_options, *,
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
-  wanted = overlap_options(platform, _compat.async_collective_starts(computation))
+  starts = _compat.async_collective_starts(computation)
+  ties = _explicit_fsdp_ties(computation) if platform in _GPU_PLATFORMS else 0
+  if ties:
+    # fsdp_scan on an explicit mesh: each tied step may have a gather and a
+    # reduce-scatter of XLA's partitioner in flight (explicit_ties.py).
+    starts = {**starts, "fsdp-explicit-step": ties}
+  wanted = overlap_options(platform, starts)
+  if ties:
+    # XLA's latency-hiding scheduler places the tied collectives around
+    # their step's compute; a target that has it off (the A100 spec) ran
+    # each one synchronously (jax 0.12.0.1: 0 of 6 gathers overlapped, 6 of 6
+    # with it on).
+    wanted[GPU_LATENCY_HIDING] = True
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
 
 
@@ -138,6 +158,11 @@ def _options_for(computation, platform: str, user_options, *,
 #: insertion, with or without the ties), so there, and on any generation not
 #: measured, they are finished where they start, as before.
 FORMS_IN_FLIGHT_KINDS = frozenset({"TPU v5 lite"})
+
+
+def _explicit_fsdp_ties(computation) -> int:
+  from jax_overlap._src.patterns.fsdp import explicit_ties  # noqa: PLC0415
+  return explicit_ties.count(computation)
 
 
 def _form_count(computation) -> int:

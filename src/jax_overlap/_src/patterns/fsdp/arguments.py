@@ -150,18 +150,21 @@ def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
 
 def _say_explicit_mesh_is_not_prefetched() -> None:
   """On an explicit mesh the moves are `jax.reshard`s that XLA's partitioner
-  places: compiled for TPU v5e and H100 (jax 0.10.2 to 0.12.0.1) none
-  overlapped a matmul (v5e made each gather synchronous; H100 merged every
-  layer's into one synchronous all-gather before the loop). Said once, where
-  the trace knows it targets an accelerator (CPU makes every collective
-  blocking anyway)."""
+  turns into collectives. On GPU each step's are tied into it
+  (explicit_ties.py) and overlap the layer's matmuls (H100, jax 0.12.0.1).
+  On TPU they are left to XLA, which overlapped few (v5e, libtpu 0.0.52:
+  at width 16 none, every gather synchronous; at width 128, 3 of the 6
+  forward gathers, and no reduce-scatter), and the ties did not help. Said
+  once, where the trace knows it targets TPU (or another accelerator); CPU
+  makes every collective blocking anyway."""
   platform, _ = _compat.trace_device()
-  if platform in (None, "cpu"):
+  if platform in (None, "cpu", "cuda", "rocm", "gpu"):
     return
   not_async.warn_once("fsdp-explicit-mesh", (
       f"fsdp_scan on an explicit mesh, for {platform}: the weights move by "
-      "jax.reshard, which XLA's partitioner schedules, and on the real TPU "
-      "and GPU compilers it overlapped nothing (measured: TPU v5e, H100). "
+      "jax.reshard, which XLA's partitioner schedules, and on the TPU "
+      "compiler it overlapped few of them (measured: TPU v5e, libtpu 0.0.52; "
+      "on GPU they are tied into their layer's step and overlap). "
       "For the prefetch, call fsdp_scan inside jax.shard_map over the fsdp "
       "axis (its moves are then all_gather_start / psum_scatter_start "
       "futures). Silence with warnings.filterwarnings('ignore', "

@@ -21,7 +21,8 @@ returns `(compute(), gathered, scattered)`.
   all-reduced, not reduce-scattered). A leaf replicated over the fsdp axes
   is used as it is. These are not futures; the step is an ordered block
   holding one free block with the reshards and the compute, which XLA's
-  scheduler may overlap.
+  scheduler may overlap; on GPU the step's inputs and outputs are tied
+  (explicit_ties.py) so that it keeps each step's collectives in the step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jax_overlap import (all_gather_start, program_order, psum_scatter_start,
                          psum_start)
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
+from jax_overlap._src.patterns.fsdp import explicit_ties
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
@@ -351,9 +353,15 @@ class ReshardTransfer:
     def ordered():
       @program_order(enforce=False)
       def together():
-        gathered = None if gather is None else self.gather_now(gather)
-        scattered = None if scatter is None else self.scatter_now(scatter)
-        return compute(), gathered, scattered
+        # The values `compute` reads, as arguments: they are tied with the
+        # shards and gradients to move, and its outputs with the moved ones
+        # (explicit_ties.py: on GPU that keeps each step's collectives in
+        # it, where XLA would combine them all outside the loop).
+        run, inputs = jax.closure_convert(compute)
+        shards, grads, inputs = explicit_ties.tie((gather, scatter, inputs))
+        gathered = None if shards is None else self.gather_now(shards)
+        scattered = None if grads is None else self.scatter_now(grads)
+        return explicit_ties.tie((run(*inputs), gathered, scattered))
       return together()
     return ordered()
 
