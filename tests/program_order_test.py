@@ -255,6 +255,28 @@ def test_nullary_equation_waits_for_a_token():
   assert 'inlineable = "xla_late"' in text
 
 
+def _barriers(text):
+  """{result name: operand names} of each optimization_barrier in `text`."""
+  return {m.group(1): re.findall(r"%[\w#]+", m.group(2)) for m in re.finditer(
+      r"(%\w+)(?::\d+)? = stablehlo\.optimization_barrier ([^:]*):", text)}
+
+
+def test_equation_after_a_nullary_one_is_fenced_after_the_one_before():
+  # The iota's call waits for sin through a token, but XLA inlines the call
+  # and the token goes with it: cos, the next equation, must then still be
+  # fenced after sin, so its barrier takes sin's output too. (Without that,
+  # a ring's block matmul after a send and an input-free cast of a literal
+  # ran before the send started on TPU v5p, tests/aot/.)
+  ordered, _, args = build("nullary")
+  text = lowered.stablehlo(ordered, *args)
+  barriers = _barriers(text)
+  sine = re.search(r"(%\w+) = stablehlo\.sine ", text).group(1)
+  after_sine = [name for name, ops in barriers.items() if sine in ops]
+  assert len(after_sine) == 1, text
+  cosine_in = re.search(r"stablehlo\.cosine (%\w+)#", text).group(1)
+  assert any(op.startswith(after_sine[0] + "#") for op in barriers[cosine_in]), text
+
+
 def test_strict_in_out_fences_first_and_last():
   ordered, _, args = build("strict")
   ops = [op for op in _op_names(lowered.stablehlo(ordered, *args))

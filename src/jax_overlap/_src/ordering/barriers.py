@@ -12,7 +12,11 @@ own `program_order` also follows (the conformance suite pins the counts):
   outputs and B is called with the token as its only argument;
 * B a free block or a jit call: a token is tied to A's outputs by one
   barrier, and each input of B that A did not produce gets a barrier of its
-  own with that token (a free block's excluded inputs pass untouched).
+  own with that token (a free block's excluded inputs pass untouched);
+* an equation that nothing ties to A but a token (an input-free one) or
+  nothing at all (a device position, computed in place) does not count as
+  A: the equation after it is fenced after both, A's outputs going through
+  its barrier too (the barrier counts stay jax's).
 
 It runs while a program is lowered: from `to_lojax` on jax >= 0.12, from the
 MLIR lowering rule on older jax. Nowhere else.
@@ -20,7 +24,7 @@ MLIR lowering rule on older jax. Nowhere else.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from jax._src import core
 from jax._src.pjit import jit_p
@@ -71,11 +75,22 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     args = _compat.barrier(args)
   write(jaxpr.invars, args)
 
-  prev_eqn, prev_vals = None, None
+  # `prev` stands for the equation A before B: the outputs B is fenced
+  # after. An equation that no data edge ties to the one before it (an
+  # input-free call: its token is gone once XLA inlines it; a device
+  # position, computed in place) does not end the chain: A's outputs are
+  # carried on with its own, and the next equation is fenced after both.
+  # Else the order A -> C rests on that lost edge alone. A collective
+  # matmul ring's first step starts a send, then casts the literal block
+  # size to vary over the ring's axis (an input-free equation), then slices
+  # and multiplies the block: TPU v5p (libtpu 0.0.52) ran that matmul
+  # before the send started, leaving its window empty (tests/aot/).
+  prev_eqn, prev, prev_vals = None, None, None
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     literal = [_is_constant(v) for v in eqn.invars]
-    if prev_eqn is None:
+    carry = prev is not None
+    if prev is None:
       outs = _compat.bind_eqn(eqn, invals)
     elif eqn.primitive.name in _READS_DEVICE_POSITION:
       outs = _compat.bind_eqn(eqn, invals)
@@ -87,29 +102,42 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
       outs = _compat.call_after_token(
           lambda *vals, eqn=eqn: _compat.bind_eqn(eqn, vals), token, invals)
     elif is_free_block(eqn) or eqn.primitive is jit_p:
+      carry = False
       fenced = [not lit for lit in literal]
       if is_free_block(eqn):
         fenced = [f and not ex for f, ex in zip(fenced, eqn.params["excluded"])]
       if any(fenced):
-        prev_vals, invals = _fence_each_input(prev_eqn, prev_vals, eqn,
+        prev_vals, invals = _fence_each_input(prev, prev_vals, eqn,
                                               invals, fenced)
       outs = _compat.bind_eqn(eqn, invals)
     else:
-      prev_vals, invals = _fence_together(prev_eqn, prev_vals, eqn, invals,
+      carry = False
+      prev_vals, invals = _fence_together(prev, prev_vals, eqn, invals,
                                           literal)
       outs = _compat.bind_eqn(eqn, invals)
-    if prev_eqn is not None:
-      write(prev_eqn.outvars, prev_vals)
+    if prev is not None:
+      write(prev.outvars, prev_vals)
     write(eqn.outvars, outs)
-    prev_eqn, prev_vals = eqn, list(outs)
+    if carry:
+      prev = _Outputs([*prev.outvars, *eqn.outvars])
+      prev_vals = [*prev_vals, *outs]
+    else:
+      prev, prev_vals = _Outputs(list(eqn.outvars)), list(outs)
+    prev_eqn = eqn
 
   if (prev_eqn is not None and len(jaxpr.eqns) > 1 and prev_vals
       and prev_eqn.primitive.name in _SYNC_COLLECTIVES):
-    write(prev_eqn.outvars, _compat.barrier(prev_vals))
+    write(prev.outvars, _compat.barrier(prev_vals))
   outs = [read(v) for v in jaxpr.outvars]
   if strict_out and outs:
     outs = _compat.barrier(outs)
   return outs
+
+
+class _Outputs(NamedTuple):
+  """The variables the next equation is fenced after (see `run_in_order`)."""
+
+  outvars: list
 
 
 def _is_constant(atom) -> bool:
@@ -123,10 +151,10 @@ def _constant(atom):
   return atom.val if isinstance(atom, core.Literal) else atom
 
 
-def _fence_together(prev_eqn, prev_vals, eqn, invals, literal):
+def _fence_together(prev, prev_vals, eqn, invals, literal):
   """One barrier over A's unconsumed outputs and B's non-literal inputs."""
   consumed = set(v for v in eqn.invars if not _is_constant(v))
-  kept = [i for i, v in enumerate(prev_eqn.outvars) if v not in consumed]
+  kept = [i for i, v in enumerate(prev.outvars) if v not in consumed]
   fed = [i for i, lit in enumerate(literal) if not lit]
   fenced = _compat.barrier([*(prev_vals[i] for i in kept),
                             *(invals[i] for i in fed)])
@@ -139,11 +167,11 @@ def _fence_together(prev_eqn, prev_vals, eqn, invals, literal):
   return prev_vals, invals
 
 
-def _fence_each_input(prev_eqn, prev_vals, eqn, invals, fenced):
+def _fence_each_input(prev, prev_vals, eqn, invals, fenced):
   """A token after A; each fenced input of B not made by A waits for it."""
   token = _compat.new_token()
   *prev_vals, token = _compat.barrier([*prev_vals, token])
-  made_by_prev = {v: i for i, v in enumerate(prev_eqn.outvars)
+  made_by_prev = {v: i for i, v in enumerate(prev.outvars)
                   if not isinstance(v, core.DropVar)}
   invals = list(invals)
   for k, (v, f) in enumerate(zip(eqn.invars, fenced)):

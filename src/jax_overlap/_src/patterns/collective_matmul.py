@@ -219,7 +219,8 @@ def _gather_then_matmul_transpose(ring: Ring, dim: int, x, w, dy):
   # The ring is not paced here: beside the gather ring of x below, whose
   # steps the compiler interleaves with its own, pacing left windows empty
   # (measured with libtpu 0.0.52: 13 of 14 permutes with a block matmul on
-  # v5e and 7 of 14 on v5p, against 14 and 13 unpaced).
+  # v5e and 7 of 14 on v5p, against 14 and 13 unpaced; 14 on both since
+  # program_order fences past input-free equations, ordering/barriers.py).
   with moving("dy @ w.T"):
     dx = _scatter_partial_sums(ring, dim, dy, w.T, paced=False)
   rows = x.shape[dim]
