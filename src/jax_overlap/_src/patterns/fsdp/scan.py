@@ -345,9 +345,10 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
           gather=_layer(params, i - 1), scatter=pending)
       return (x_bar, w_prev, g, put(grads, done, i + 1)), None
 
-    (x_bar, w, pending, grads), _ = _scan_remainder_first(
-        body, (x_bar, w, pending, grads), jnp.arange(n_layers - 2, 0, -1),
-        unroll)
+    if n_layers > 2:   # (with layer 0 split, 2 layers save no stack)
+      (x_bar, w, pending, grads), _ = _scan_remainder_first(
+          body, (x_bar, w, pending, grads), jnp.arange(n_layers - 2, 0, -1),
+          unroll)
     # Layer 0's gradients reduce-scattered as they are finished
     # (use_order.py), else in one reduce-scatter behind before's backward.
     last = None if not split else use_order.backward_first(
