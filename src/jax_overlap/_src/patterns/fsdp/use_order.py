@@ -11,10 +11,12 @@ gathered in groups, in the order the layer first reads them, cut at the
 matmuls (`dot_general`, convolutions): each group's gather is in flight
 behind the matmuls that run before its first use, and only the first
 group's gather waits for what runs before the stack. The backward pass is
-the mirror: layer 0's gradients are finished in the reverse order (the MLP's
-first), and each group's reduce-scatter starts right after the equation that
-finishes it, in flight behind the rest of layer 0's backward; only the last
-group's (the first projection's) is left for `before`'s backward to hide.
+the mirror: layer 0's gradients are finished in about the reverse order (the
+MLP's first), and each group's reduce-scatter starts right after the
+equation that finishes it (once the one before it is done: one in flight at
+a time, as everywhere in the stack), in flight behind the rest of layer 0's
+backward; only the last group's (the first norm's and projection's) is left
+for `before`'s backward to hide.
 
 How: the layer (its forward with residuals, or its backward) is traced to a
 jaxpr on layer 0's types; equations that read the weights alone (a cast, a
@@ -31,6 +33,7 @@ the stack's ends run as before.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -148,6 +151,23 @@ def _jaxpr_heavy(jaxpr) -> bool:
   return any(_reads_heavy(e) for e in jaxpr.eqns)
 
 
+def _flops(eqn) -> float:
+  """A heavy eqn's multiply-adds (its output's size times the size of
+  what each output element contracts), nested ones summed; 0 for others."""
+  if eqn.primitive.name in _HEAVY:
+    return float(math.prod(eqn.outvars[0].aval.shape)) * _contracted(eqn)
+  return sum(_flops(e) for j in _subjaxprs(eqn) for e in j.eqns)
+
+
+def _contracted(eqn) -> float:
+  if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    return float(math.prod(shape[d] for d in lc))
+  rhs = eqn.invars[1].aval.shape   # conv: kernel size times in-features
+  return float(math.prod(rhs)) / max(1, rhs[-1] if rhs else 1)
+
+
 class _Traced(NamedTuple):
   jaxpr: Any
   consts: list
@@ -216,6 +236,32 @@ def _groups_by_first_use(order, positions_vars, first_of) -> list[tuple]:
     else:
       groups.append([i, i, [k]])
   return groups
+
+
+def _paced(order, groups, g_vars) -> list:
+  """Backward groups merged so that each reduce-scatter has its share of
+  layer 0's backward behind it: the reduce-scatters run one at a time,
+  layer 1's first, so layer 0's first group starts only once half of
+  layer 0's backward flops have run (layer 1's reduce-scatter in flight
+  over them), and each later group once the first half plus its share, by
+  bytes, of the second half has run. A group that finishes earlier waits
+  for the next (one collective for both). Shares, not times: nothing here
+  knows the hardware's flops to bandwidth ratio."""
+  done = [0.0]
+  for e in order:
+    done.append(done[-1] + _flops(e))
+  total = done[-1]
+  size = lambda k: math.prod(g_vars[k].aval.shape)
+  all_bytes = sum(size(k) for g in groups for k in g[2]) or 1
+  out, pending, started = [], [], 0
+  for j, (first, last, members) in enumerate(groups):
+    pending.extend(members)
+    target = total / 2 * (1 + started / all_bytes)
+    if done[min(last, len(order))] >= target or j == len(groups) - 1:
+      out.append([first, last, pending])
+      started += sum(size(k) for k in pending)
+      pending = []
+  return out
 
 
 def _segments(order, cuts):
@@ -329,8 +375,9 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
                    before_back: Callable):
   """One ordered block: layer 1's reduce-scatter started, layer 0's backward
   evaluated, each group of its gradients reduce-scattered right after the
-  eqn that finishes it, `before_back(layer 0's x cotangent)` (before's
-  backward) last, with the last group's reduce-scatter in flight. Returns
+  eqn that finishes it (once the previous reduce-scatter is done),
+  `before_back(layer 0's x cotangent)` (before's backward) last, with the
+  last group's reduce-scatter in flight. Returns
   `((before_back's result, layer 0's x cotangent), layer 0's gradient
   shards, layer 1's)`, or None
   where the gradients come in one group."""
@@ -350,6 +397,7 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
       else made.get(v, -1) + 1
   groups = _groups_by_first_use(
       order, {k: g_vars[k] for k in layer.sharded()}, finished)
+  groups = _paced(order, groups, g_vars)
   if len(groups) < 2:
     return None
 
@@ -361,7 +409,11 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
     env = dict(zip(traced.jaxpr.constvars, traced.consts))
     env.update(zip(traced.jaxpr.invars,
                    jax.tree.leaves(x_bar) + jax.tree.leaves((saved0, w0))))
-    finishes = []
+    # One reduce-scatter in flight at a time, as in the rest of the stack:
+    # each group's waits for the previous one (layer 1's first), so the
+    # bytes in flight stay one layer's, and TPU's async form (an
+    # all-to-all, one in flight at a time) stays async.
+    in_flight, done = None, {}
     # (a gradient not made yet stands as its type: only members are read)
     pieces = _segments(order, [last for _, last, _ in groups])
     end = 0
@@ -370,18 +422,20 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
         grads = jax.tree.unflatten(jax.tree.structure(w0), [
             _read(env, v) if isinstance(v, jax_core.Literal) or v in env
             else v.aval for v in g_vars])
-        finishes.append(layer.start_scatter(grads, groups[j - 1][2]))
+        if in_flight is None:
+          g1 = _finish(prev)
+        else:
+          done.update(in_flight())
+        in_flight = layer.start_scatter(grads, groups[j - 1][2])
       end += len(piece)
       _free(env, piece, _live_after(order, end, outs))
     x0, grads = jax.tree.unflatten(traced.out_tree,
                                    [_read(env, v) for v in outs])
     back = program_order(enforce=False)(lambda: before_back(x0))()
-    done = layer.kept(grads)
-    for f in finishes:
-      done.update(f())
+    done.update(layer.kept(grads))
+    done.update(in_flight())
     g0 = jax.tree.unflatten(jax.tree.structure(w0),
                             [done[k] for k in range(len(g_vars))])
-    g1 = _finish(prev)
     g1 = transfer.inner._own_dtypes(g1) if isinstance(
         transfer, PairTransfer) else transfer._own_dtypes(g1)
     if isinstance(transfer, PairTransfer):
