@@ -31,7 +31,14 @@ from jax_overlap._src.demo import model, training  # noqa: E402
 #: the stack); `ENDS_OUTSIDE` runs them outside the call instead, as the step
 #: was written before that API.
 ENDS_OUTSIDE = "_ends_outside"
+#: Layer 0 gathered and reduce-scattered whole, not split by use order
+#: (patterns/fsdp/use_order.py; the default splits it).
+WHOLE_ENDS = "_whole_ends"
 SETTINGS = {
+    "default, ends outside, layer 0 whole":
+        dict(**{ENDS_OUTSIDE: True, WHOLE_ENDS: True}),
+    "default, before=embedding, after=head, layer 0 whole":
+        dict(**{WHOLE_ENDS: True}),
     "bucket=False, ends outside": dict(bucket=False, **{ENDS_OUTSIDE: True}),
     "default (bucket=True), ends outside": {ENDS_OUTSIDE: True},
     "default, before=embedding, after=head": dict(),
@@ -79,6 +86,9 @@ def measure(kwargs, layers: int, hardware: str):
     return inspect(fn, *args, **kw)
   kwargs = dict(kwargs)
   run = _ends_outside(plain) if kwargs.pop(ENDS_OUTSIDE, False) else plain
+  from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
+  split = use_order.ENABLED
+  use_order.ENABLED = not kwargs.pop(WHOLE_ENDS, False)
   jax_overlap.fsdp_scan = functools.partial(run, **kwargs)
   jax_overlap.inspect = inspect_and_measure
   try:
@@ -89,6 +99,7 @@ def measure(kwargs, layers: int, hardware: str):
                                       optax.adamw(3e-3))["fsdp_scan"]
   finally:
     jax_overlap.fsdp_scan, jax_overlap.inspect = plain, inspect
+    use_order.ENABLED = split
   return report.totals, temp[0]
 
 

@@ -125,8 +125,11 @@ def test_values_gradients_and_gathers_run(context, name):
     traced = f.trace(*args)
     got = f(*args)
   _close(got, _want(), rtol=1e-4, atol=1e-5)
-  # n forward gathers, and the backward pass regathers all but the kept.
-  assert executed_gathers(context, traced.jaxpr) == 2 * L - kept, name
+  # n forward gathers, and the backward pass regathers all but the kept;
+  # inside shard_map with at most one layer kept and prefetch=1, layer 0's
+  # two weights travel apart (w2 behind w1's matmul: patterns/fsdp/use_order.py).
+  split = int(context == "shard_map" and kept <= 1 and prefetch == 1)
+  assert executed_gathers(context, traced.jaxpr) == 2 * L - kept + split, name
 
 
 def test_hsdp_and_layer_inputs_keep_and_prefetch():

@@ -147,6 +147,10 @@ def future_program(t, kind, rank=2):
 
 
 LAYERS, WEIGHTS = 4, 2
+# Layer 0's weights gathered in groups by use order inside shard_map
+# (patterns/fsdp/use_order.py): `_layer` reads b after its matmul on a, so
+# its forward gather is two (its backward's gradients, paced, stay one).
+SPLIT = 1
 # The counts below are per weight (measured so on libtpu 0.0.52 and H100):
 # those programs pass bucket=False; fsdp_scan's default (one bucket a layer)
 # has its own test.
@@ -524,7 +528,9 @@ def test_fsdp_scan_buckets_keep_their_windows_on_h100():
   text, warned = _compiled("gpu_h100", "fsdp", True, True)
   gathers = _async(text, "all-gather")
   scatters = _async(text, "reduce-scatter")
-  assert len(gathers) == 2 * LAYERS, gathers
+  # (+ 1: layer 0's two weights are gathered apart, b behind a's matmul:
+  # the stack's ends split by use order, patterns/fsdp/use_order.py)
+  assert len(gathers) == 2 * LAYERS + SPLIT, gathers
   assert sum(w.matmuls >= 1 for w in gathers) >= 2 * (LAYERS - 1), gathers
   assert sum(w.matmuls >= 1 for w in scatters) >= LAYERS - 1, scatters
   assert not warned, warned
@@ -558,7 +564,8 @@ def test_fsdp_scan_ends_hide_the_first_gather_and_the_last_reduce_scatter(name):
     assert not warned, warned
     if ends:
       kept = 0 if reshard is True else 1
-      assert len(gathers) == 2 * LAYERS - kept, (reshard, gathers)
+      # (+ SPLIT: layer 0's second weight gathered behind its first matmul)
+      assert len(gathers) == 2 * LAYERS - kept + SPLIT, (reshard, gathers)
       assert all(any(map(_computes, w.between)) for w in gathers), gathers
       assert len(scatters) == LAYERS, scatters
       assert all(any(map(_computes, w.between)) for w in scatters), scatters
@@ -582,7 +589,9 @@ def test_fsdp_scan_memory_knobs_keep_their_windows(name, reshard, prefetch):
   assert sum(w.matmuls >= 1 for w in gathers) >= LAYERS - 1 + regathers, \
       gathers
   if name == "gpu_h100":
-    assert len(gathers) == 2 * LAYERS - kept, gathers
+    # (layer 0 split by use order where one layer is kept and prefetch=1)
+    split = SPLIT if reshard in (1, True) and prefetch == 1 else 0
+    assert len(gathers) == 2 * LAYERS - kept + split, gathers
     scatters = _async(text, "reduce-scatter")
     assert sum(w.matmuls >= 1 for w in scatters) >= LAYERS - 1, scatters
   assert not warned, warned

@@ -18,7 +18,7 @@ from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          differentiable,
                                                          float0_zeros,
                                                          with_layer_inputs)
-from jax_overlap._src.patterns.fsdp import pipelined
+from jax_overlap._src.patterns.fsdp import pipelined, use_order
 from jax_overlap._src.patterns.fsdp.memory_knobs import (kept_layers,
                                                          prefetch_depth)
 from jax_overlap._src.patterns.fsdp.precision import Precision
@@ -250,6 +250,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
 def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
                ends=NO_ENDS, keep_last=False):
   x_avals = []   # x's types as one layer sees them (for the backward's trace)
+  split = use_order.applies(transfer, n_layers)
 
   def forward(x, params, save: bool):
     def run_layer(x, w):
@@ -265,15 +266,24 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
       return (x, w_next), saved
 
     x_run = x   # with ends: (x, hoisted, before's and after's consts)
-    x, first, entered = ends.enter(transfer, x_run, _layer(params, 0), save)
+    # Layer 0's gathers split by use order (use_order.py), else one.
+    first = None if not split else use_order.forward_first(
+        transfer, run_layer, lambda: ends.enter_compute(x_run, save),
+        _layer(params, 0), _layer(params, 1))
+    if first is None:
+      x, w0, entered = ends.enter(transfer, x_run, _layer(params, 0), save)
+      saved0, loop_from = None, 1
+    else:
+      x, saved0, entered, w0 = first
+      loop_from = 2
     (x, w_last), saved = _scan_remainder_first(
-        body, (x, first), jnp.arange(1, n_layers), unroll)
+        body, (x, w0), jnp.arange(loop_from, n_layers), unroll)
     (x, saved_last), _, _ = transfer.step(lambda: run_layer(x, w_last))
     x, left = ends.leave(x, x_run, save)
     # keep_last: the last layer's gathered weights are saved (the backward
     # pass starts with it; reshard_after_forward=1, memory_knobs.py).
     return x, (saved, saved_last, saved_of(ends, entered, left, x_run),
-               w_last if keep_last and save else None)
+               w_last if keep_last and save else None, saved0)
 
   @jax.custom_vjp
   def run(x, params):
@@ -285,7 +295,11 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
 
   def run_bwd(residuals, y_bar):
     # `saved` holds the pullbacks of layers 0 .. n-2, `saved_last` layer n-1's.
-    (saved, saved_last, ends_saved, w_last), params = residuals
+    (saved, saved_last, ends_saved, w_last, saved0), params = residuals
+    # With layer 0 split, `saved` holds layers 1 .. n-2 and saved0 layer 0.
+    saved_at = (lambda i: saved0 if isinstance(i, int) and i == 0
+                else _layer(saved, i - 1)) if saved0 is not None \
+        else (lambda i: _layer(saved, i))
     backward = lambda pullback, w, y_bar: _layer_backward(
         layer, pullback, w, x_avals[0], y_bar)
     # Integer, boolean and key parts of xs have float0 cotangents: a scalar
@@ -316,7 +330,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
     finish = lambda grads: jax.tree.map(
         lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
     if transfer.stages == 2:
-      x_bar, grads = _hsdp_backward(transfer, backward, saved, saved_last,
+      x_bar, grads = _hsdp_backward(transfer, backward, saved_at, saved_last,
                                     params, w, y_bar, grads, put, n_layers,
                                     unroll, scatter_first)
       return x_bar, finish(grads)
@@ -328,16 +342,26 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
     def body(carry, i):   # layer i's backward; prefetch i-1, scatter i+1
       x_bar, w, pending, grads = carry
       (x_bar, g), w_prev, done = transfer.step(
-          lambda: backward(_layer(saved, i), w, x_bar),
+          lambda: backward(saved_at(i), w, x_bar),
           gather=_layer(params, i - 1), scatter=pending)
       return (x_bar, w_prev, g, put(grads, done, i + 1)), None
 
-    (x_bar, w, pending, grads), _ = _scan_remainder_first(
-        body, (x_bar, w, pending, grads), jnp.arange(n_layers - 2, 0, -1),
-        unroll)
-    (x_bar, g0), _, g1 = transfer.step(
-        lambda: backward(_layer(saved, 0), w, x_bar), scatter=pending)
-    x_bar, g0 = scatter_first(x_bar, g0)
+    if n_layers > 2:   # (with layer 0 split, 2 layers save no stack)
+      (x_bar, w, pending, grads), _ = _scan_remainder_first(
+          body, (x_bar, w, pending, grads), jnp.arange(n_layers - 2, 0, -1),
+          unroll)
+    # Layer 0's gradients reduce-scattered as they are finished
+    # (use_order.py), else in one reduce-scatter behind before's backward.
+    last = None if not split else use_order.backward_first(
+        transfer, backward, saved_at(0), w, x_bar, pending,
+        lambda x0: ends.back_compute(ends_saved, x0))
+    if last is None:
+      (x_bar, g0), _, g1 = transfer.step(
+          lambda: backward(saved_at(0), w, x_bar), scatter=pending)
+      x_bar, g0 = scatter_first(x_bar, g0)
+    else:
+      (bars, x0), g0, g1 = last
+      x_bar = ends.back_finish(ends_saved, after_bar, x0, bars)
     grads = put(put(grads, g1, 1), g0, 0)
     return x_bar, jax.tree.map(
         lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
@@ -346,7 +370,7 @@ def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
   return run(x, params)
 
 
-def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
+def _hsdp_backward(transfer, backward, saved_at, saved_last, params, w, y_bar,
                    grads, put, n_layers, unroll, scatter_first):
   """The backward pass with a second stage (HSDP): layer i's step prefetches
   layer i-1, reduce-scatters layer i+1's gradient over the fsdp axis and
@@ -357,19 +381,19 @@ def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
       gather=_layer(params, n_layers - 2))
   if n_layers == 2:
     (x_bar, g0), _, s1, _ = transfer.step2(
-        lambda: backward(_layer(saved, 0), w, x_bar), scatter=g)
+        lambda: backward(saved_at(0), w, x_bar), scatter=g)
     grads = put(grads, transfer.reduce_now(s1), 1)
     x_bar, g0 = scatter_first(x_bar, g0)
     return x_bar, put(grads, g0, 0)
   # Layer n-2: nothing scattered yet to all-reduce.
   (x_bar, g_next), w, s, _ = transfer.step2(
-      lambda: backward(_layer(saved, n_layers - 2), w, x_bar),
+      lambda: backward(saved_at(n_layers - 2), w, x_bar),
       gather=_layer(params, n_layers - 3), scatter=g)
 
   def body(carry, i):   # layer i's backward; prefetch i-1, scatter i+1,
     x_bar, w, g, s, grads = carry   # all-reduce i+2
     (x_bar, g_i), w_prev, s_next, done = transfer.step2(
-        lambda: backward(_layer(saved, i), w, x_bar),
+        lambda: backward(saved_at(i), w, x_bar),
         gather=_layer(params, i - 1), scatter=g, reduce=s)
     return (x_bar, w_prev, g_i, s_next, put(grads, done, i + 2)), None
 
@@ -377,7 +401,7 @@ def _hsdp_backward(transfer, backward, saved, saved_last, params, w, y_bar,
       body, (x_bar, w, g_next, s, grads), jnp.arange(n_layers - 3, 0, -1),
       unroll)
   (x_bar, g0), _, s1, done2 = transfer.step2(
-      lambda: backward(_layer(saved, 0), w, x_bar), scatter=g, reduce=s)
+      lambda: backward(saved_at(0), w, x_bar), scatter=g, reduce=s)
   grads = put(put(grads, done2, 2), transfer.reduce_now(s1), 1)
   x_bar, g0 = scatter_first(x_bar, g0)
   return x_bar, put(grads, g0, 0)

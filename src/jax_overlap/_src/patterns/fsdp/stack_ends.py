@@ -198,18 +198,21 @@ class StackEnds:
 
   # --- forward -----------------------------------------------------------
 
+  def enter_compute(self, x_run, save: bool):
+    """`before(x)`: `(carry, saved)` (use_order.py runs it in its own
+    ordered block)."""
+    x, hoisted, consts, _ = x_run
+    if save:
+      h, pull = _vjp(lambda x, c: self.before.call(c, x), x, consts)
+    else:
+      h, pull = self.before.call(consts, x), None
+    return ((h, hoisted) if self.hoisted else h), pull
+
   def enter(self, transfer, x_run, first_shards, save: bool):
     """`before(x)` with layer 0's gather in flight. Returns `(carry,
     layer 0's weights, saved)`."""
-    x, hoisted, consts, _ = x_run
-    if save:
-      compute = lambda: _vjp(lambda x, c: self.before.call(c, x), x, consts)
-      (h, pull), first, _ = transfer.step(compute, gather=first_shards)
-    else:
-      h, first, _ = transfer.step(lambda: self.before.call(consts, x),
-                                  gather=first_shards)
-      pull = None
-    carry = (h, hoisted) if self.hoisted else h
+    (carry, pull), first, _ = transfer.step(
+        lambda: self.enter_compute(x_run, save), gather=first_shards)
     return carry, first, pull
 
   def leave(self, carry, x_run, save: bool):
@@ -240,6 +243,18 @@ class StackEnds:
     if self.hoisted:
       y_bar = (y_bar, jax.tree.map(jnp.zeros_like, hoisted))
     return y_bar, w, consts_bar
+
+  def back_compute(self, saved, carry_bar):
+    """before's backward on layer 0's x cotangent (use_order.py runs it
+    with layer 0's last reduce-scatter in flight)."""
+    h_bar = carry_bar[0] if self.hoisted else carry_bar
+    return saved[0](h_bar)
+
+  def back_finish(self, saved, after_bar, carry_bar, bars):
+    """The VJP input's cotangent from `back_compute`'s result."""
+    hoisted_bar = carry_bar[1] if self.hoisted else []
+    x_bar, consts_bar = saved[0].complete(bars)
+    return (x_bar, list(hoisted_bar), consts_bar, after_bar)
 
   def enter_back(self, transfer, saved, after_bar, carry_bar, g0):
     """before's backward with layer 0's reduce-scatter in flight. Returns
@@ -288,8 +303,17 @@ class NoEnds:
   """No `before` nor `after`: the stack's first gather and last
   reduce-scatter are waited for at once (what `StackEnds` replaces)."""
 
+  def enter_compute(self, x, save: bool):
+    return x, None
+
   def enter(self, transfer, x, first_shards, save: bool):
     return x, transfer.gather_now(first_shards), None
+
+  def back_compute(self, saved, x_bar):
+    return x_bar
+
+  def back_finish(self, saved, after_bar, x_bar, bars):
+    return bars
 
   def leave(self, carry, x_run, save: bool):
     return carry, None
