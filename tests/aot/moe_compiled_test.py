@@ -176,10 +176,15 @@ def test_dropless_sends_the_routed_rows_by_ragged_all_to_all(name, grad):
   ragged = re.findall(r" ragged-all-to-all(?:-start)?\(", text)
   assert len(ragged) == 2 * chunks * (2 if grad else 1), len(ragged)
   assert _dense_all_to_alls(text) == ["s32"], _dense_all_to_alls(text)
-  # TPU makes each a start/done pair, with no expert matmul in its window
-  # (the fences); H100 runs it whole.
+  # TPU makes some or all of them start/done pairs (how many depends on how
+  # XLA places the fences: 4 of 4 forward before program_order fenced past
+  # input-free equations, 2 of 4 since), never with an expert matmul in the
+  # window; H100 runs each whole.
   windows = [w for w in schedule.windows(text) if w.kind == "ragged-all-to-all"]
-  assert len(windows) == (len(ragged) if platform_is_tpu(name) else 0)
+  if platform_is_tpu(name):
+    assert 1 <= len(windows) <= len(ragged), windows
+  else:
+    assert not windows, windows
   assert not [w for w in windows if any(map(is_expert_matmul, w.between))]
   platform = "tpu" if platform_is_tpu(name) else "cuda"
   assert len(warned) == 1 and warned[0].startswith(

@@ -428,7 +428,12 @@ def _short(test, name, got, wanted):
 def test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one(name):
   text, warned = _compile(name, "fsdp", False)
   if OLDER:
-    assert not any(w.matmuls for w in _async(text, "all-gather"))
+    # jax < 0.12 lowers each future's pair back to back: none of the
+    # loop's gathers is ours in flight. XLA may still make one of layer 0's
+    # (free blocks since the split by use order) async across a matmul by
+    # itself (H100: one), which is XLA's overlap, not the library's.
+    gathers = _async(text, "all-gather")
+    assert sum(bool(w.matmuls) for w in gathers) <= WEIGHTS, gathers
     assert warned, "jax < 0.12: the synchronous gathers are not said"
     return
   gathers = _async(text, "all-gather")

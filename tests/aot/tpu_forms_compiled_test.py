@@ -142,8 +142,13 @@ def test_fsdp_scan_backward_reduce_scatters_overlap_the_matmuls_on_tpu(
   scatters = _scatter_windows(text)
   assert len(scatters) >= 2, scatters
   assert all(w.matmuls >= 1 for w in scatters[:-1]), scatters
+  # Every gather has a matmul in flight but the forward pass's first: with
+  # two weights a layer, layer 0 travels in two groups by use order
+  # (patterns/fsdp/use_order.py) and the first group has nothing before it
+  # in this program (no before=); with one weight layer 0 is one group.
   gathers = [w for w in schedule.windows(text) if w.kind == "all-gather"]
-  assert gathers and all(w.matmuls >= 1 for w in gathers), gathers
+  assert gathers and sum(w.matmuls == 0 for w in gathers) <= 1, gathers
+  assert sum(w.matmuls >= 1 for w in gathers) >= len(gathers) - 1, gathers
 
 
 def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_finished(
