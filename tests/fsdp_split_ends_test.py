@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
+import lowered
 from jax_overlap._src.collectives.primitives import (collective_done_p,
                                                      collective_start_p)
 from jax_overlap._src.patterns.fsdp import use_order
@@ -111,15 +111,7 @@ def test_values_and_gradients_match_the_plain_model(kwargs, tol):
 def _windows(jaxpr):
   """For each collective start: (kind, its operand's size, the primitives
   written before its done)."""
-  order = []
-
-  def walk(j):
-    j = j.jaxpr if type(j).__name__ == "ClosedJaxpr" else j
-    for eqn in j.eqns:
-      order.append(eqn)
-      for sub in jax_core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(jaxpr)
+  order = list(lowered.flat_eqns(jaxpr))
   out = []
   for i, eqn in enumerate(order):
     if eqn.primitive is collective_start_p:
