@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
 from jax_overlap._src.inspection.model.hardware import resolve_hardware
+from jax_overlap._src.patterns.fsdp import use_order
 
 H100 = resolve_hardware("h100")
 AXIS = "d"
@@ -150,7 +151,17 @@ def _training_step(n_layers, fsdp: bool):
 
 
 @pytest.fixture(scope="module")
-def fsdp_reports():
+def layer_0_whole():
+  """These tests model fsdp_scan's loops with layer 0 moved whole, one
+  bucket like every other layer; the split of layer 0 by use order (the
+  default) has its own tests (tests/fsdp_split_ends_test.py)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(use_order, "ENABLED", False)
+    yield
+
+
+@pytest.fixture(scope="module")
+def fsdp_reports(layer_0_whole):
   reports = {}
   for layers in (4, 8):
     step, args = _training_step(layers, fsdp=True)
@@ -211,7 +222,7 @@ def test_fsdp_loops_run_their_trip_count(fsdp_reports):
   assert fsdp_reports[8].compute_s > 1.9 * fsdp_reports[4].compute_s
 
 
-def test_fsdp_forward_alone_runs_inside_its_custom_vjp():
+def test_fsdp_forward_alone_runs_inside_its_custom_vjp(layer_0_whole):
   # Without autodiff the traced program keeps fsdp_scan's custom_vjp call,
   # which is modelled inline: the forward pass, its first gather bare (one
   # bucket a layer).
