@@ -44,6 +44,7 @@ from jax_overlap._src.patterns.fsdp import explicit_ties
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
+from jax_overlap._src.patterns.varying import vary_over
 
 
 #: A step's outputs are fenced together after its last operation: every
@@ -128,9 +129,7 @@ class ShardMapTransfer:
       return w
     replicas = self.replica if isinstance(self.replica, tuple) \
         else (self.replica,)
-    vma = _compat.varying_axes(w)
-    missing = tuple(a for a in replicas if vma is None or a not in vma)
-    return lax.pcast(w, missing, to="varying") if missing else w
+    return vary_over(w, replicas)
 
   def _reduce_starts(self, shards):
     """HSDP: all-reduce each reduce-scattered gradient shard over the
