@@ -134,17 +134,7 @@ class _Layer:
 def _reads_heavy(eqn) -> bool:
   if eqn.primitive.name in _HEAVY:
     return True
-  return any(_jaxpr_heavy(j) for j in _subjaxprs(eqn))
-
-
-def _subjaxprs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(j, jax_core.Jaxpr):
-        yield j
-      elif hasattr(j, "jaxpr") and isinstance(getattr(j, "jaxpr"),
-                                               jax_core.Jaxpr):
-        yield j.jaxpr
+  return any(_jaxpr_heavy(j) for j in jax_core.jaxprs_in_params(eqn.params))
 
 
 def _jaxpr_heavy(jaxpr) -> bool:
@@ -156,7 +146,8 @@ def _flops(eqn) -> float:
   what each output element contracts), nested ones summed; 0 for others."""
   if eqn.primitive.name in _HEAVY:
     return float(math.prod(eqn.outvars[0].aval.shape)) * _contracted(eqn)
-  return sum(_flops(e) for j in _subjaxprs(eqn) for e in j.eqns)
+  return sum(_flops(e) for j in jax_core.jaxprs_in_params(eqn.params)
+             for e in j.eqns)
 
 
 def _contracted(eqn) -> float:
