@@ -61,6 +61,7 @@ GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
 TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
+TPU_PERMUTE_LIMIT = "xla_max_concurrent_async_collective_permutes"
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -72,6 +73,8 @@ def overlap_options(platform: str, starts: dict[str, int]) -> dict[str, Any]:
   options: dict[str, Any] = {}
   if platform == "tpu" and starts.get("all-gather", 0) > 1:
     options[TPU_ALL_GATHER_LIMIT] = starts["all-gather"]
+  if platform == "tpu" and starts.get("collective-permute", 0) > 1:
+    options[TPU_PERMUTE_LIMIT] = starts["collective-permute"]
   if platform == "tpu" and starts.get("all-to-all", 0) > 0:
     options[TPU_ASYNC_ALL_TO_ALL] = True
   return options
