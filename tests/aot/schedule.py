@@ -170,6 +170,13 @@ class Composed(NamedTuple):
   computation: str
   parts: tuple[Window, ...]
   op_name: str
+  sources: frozenset   # the parts' operands: one for an all-gather's
+
+  @property
+  def is_gather(self) -> bool:
+    """An all-gather's parts all send the same shard; a reduce-scatter's
+    each send another chunk."""
+    return len(self.sources) == 1
 
   @property
   def matmuls(self) -> int:
@@ -216,5 +223,6 @@ def permute_futures(text: str) -> list[Composed]:
       home.append(w)
     for f in futures:
       op = re.search(r'op_name="([^"]*)"', comps[key[0]][f[0].start].line)
-      out.append(Composed(key[0], tuple(f), op.group(1) if op else ""))
+      sources = frozenset(comps[key[0]][p.start].operands[:1] for p in f)
+      out.append(Composed(key[0], tuple(f), op.group(1) if op else "", sources))
   return sorted(out, key=lambda f: (f.computation, f.parts[0].start))
