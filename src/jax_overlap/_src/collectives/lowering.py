@@ -274,7 +274,8 @@ def _sync_on_this_platform(ctx, op) -> bool:
   elif name == "all-gather" and \
       _device_kind(ctx) in tpu_forms.SYNC_ALL_GATHER_KINDS:
     why = ("the TPU v5p compiler makes every all-gather synchronous "
-           "(libtpu 0.0.52)")
+           "(libtpu 0.0.52); there its async form is N-1 collective-permutes "
+           "(permute_forms.py), and before that an all-to-all")
   if why is None:
     return False
   not_async.warn_future_lowered_sync("tpu", name, why + (
