@@ -383,6 +383,28 @@ def _scatters(text, name):
   return _async(text, "reduce-scatter")
 
 
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100"])
+def test_two_ppermute_futures_of_one_value_stay_two(name):
+  # x sent both ways round the ring, unfenced: XLA's CSE compares a custom
+  # call's operands and backend config, not the frontend attributes where
+  # the permutation is, and merged the two starts into one (TPU: 1 start;
+  # H100: 1 permute), so both results came from one permutation. Each
+  # permute start carries its config as its backend config too.
+  if OLDER:
+    pytest.skip("jax < 0.12 lowers the plain permutes, which CSE tells apart")
+  t = target(name)
+  n = t.n
+
+  def f(x):
+    a = jax_overlap.ppermute_start(x, "x", [(j, (j + 1) % n) for j in range(n)])
+    b = jax_overlap.ppermute_start(x, "x", [(j, (j - 1) % n) for j in range(n)])
+    return a.done() - b.done()
+  text = compiled_text(_smap(t, f, P("x")), arg(t, (64, 16), P("x")))
+  pairs = re.findall(r" collective-permute(?:-start)?\(.*?source_target_pairs=(\{[^=]*\}),",
+                     text)
+  assert len(set(pairs)) == 2, pairs
+
+
 @needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
 def test_ragged_future_outside_program_order_is_the_compilers_to_schedule(name):
@@ -495,8 +517,7 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
   # Forward and backward: all but the first layer's gathers of each pass
   # (measured with libtpu 0.0.52: one fewer, 11 of the 12 expected; on v5e
   # 11 of its 16 gathers are async at all; on v5p, where each is N-1
-  # permutes, layer 0's two regathers compile to one permute each, with no
-  # matmul in flight).
+  # permutes, layer 0's two regathers have no matmul in flight).
   wanted = 2 * (LAYERS - 1) * WEIGHTS - (1 if name.startswith("tpu") else 0)
   got = sum(w.matmuls >= 1 for w in gathers)
   _short("backward", name, got, wanted)
@@ -515,8 +536,8 @@ def test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu(name):
   # (v5e: an all-to-all; v5p: N-1 permutes): each but the last (of the
   # pass) has the layer's matmuls in flight, and every gather but each
   # pass's first; nothing is said (measured with libtpu 0.0.52: v5e 3 of 4
-  # and 6 of 6; v5p 3 of 4 and 7 of 9, layer 0's regather being one permute
-  # with nothing in flight, as in the test above).
+  # and 6 of 6; v5p 3 of 4 and 7 of 9, layer 0's regather with nothing in
+  # flight, as in the test above).
   text, warned = _compile(name, "fsdp", True, True)
   if OLDER:
     pytest.skip("jax < 0.12 lowers each future's pair back to back")

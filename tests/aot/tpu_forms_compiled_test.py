@@ -19,6 +19,7 @@ compile and the schedule.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another compile may hold libtpu
@@ -93,6 +94,24 @@ def test_each_future_is_an_async_pair_around_the_matmul(name, kind):
   windows = [w for w in schedule.windows(text) if w.kind != "slice"]
   assert [w.kind for w in windows] == PAIR[name][kind], windows
   assert all(w.matmuls >= 1 for w in windows), windows
+  assert not warned, warned
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
+def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
+  # Unfenced, XLA's CSE merged a gather's 7 permutes into one (one operand,
+  # the permutation only in frontend attributes: every slot then came from
+  # shift 7); each permute start now carries its config as its backend
+  # config too (lowering._to_custom_call_pair). 7 starts, 7 permutations.
+  t = target("tpu_v5p")
+
+  def f(x):
+    return _start(kind, x).done()[None]
+  fn = jax.shard_map(f, mesh=t.mesh, in_specs=P("x"), out_specs=P("x"))
+  text, warned = _compile(fn, (arg(t, (64 * N, 16), P("x")),))
+  starts = re.findall(r"collective-permute-start\(.*?source_target_pairs=(\{[^=]*\}),",
+                      text)
+  assert len(set(starts)) == N - 1, starts
   assert not warned, warned
 
 

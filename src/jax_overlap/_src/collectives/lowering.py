@@ -409,11 +409,18 @@ def _to_custom_call_pair(ctx, op, comm, *, split):
   if op.name in ("stablehlo.all_reduce", "stablehlo.reduce_scatter"):
     called = [_reducer_func(ctx, op)]
   result = op.results[0]
+  # XLA's CSE compares a custom call's target, operands and backend_config,
+  # not its frontend attributes, where the permutation and channel are: two
+  # ppermute starts of one operand (a gather's parts, permute_forms.py; a
+  # value sent both ways) were merged into one, on TPU and H100 alike, and
+  # every result then came from one permutation. The config as the backend
+  # config too keeps them apart.
+  apart = json.dumps(cfg) if name == "collective-permute" else ""
   with ir.InsertionPoint(op):
     started = mlir.custom_call(
         f"{name}-start", result_types=[result.type],
         operands=[op.operands[0]], api_version=1,
-        called_computations=called,
+        called_computations=called, backend_config=apart,
         extra_attributes={"mhlo.frontend_attributes": ir.DictAttr.get(
             {"async_collective_config": ir.StringAttr.get(json.dumps(cfg))})},
     ).result
