@@ -45,6 +45,10 @@ def test_overlap_limits_for_each_platform():
       == {compile_options.GPU_OVERLAP_LIMIT: 4}
   assert compile_options.overlap_options("tpu", {"all-gather": 3}) \
       == {compile_options.TPU_ALL_GATHER_LIMIT: 3}
+  # On v5p an all_gather_start is N-1 permutes in flight (permute_forms.py).
+  assert compile_options.overlap_options("tpu", {"collective-permute": 7}) \
+      == {compile_options.TPU_PERMUTE_LIMIT: 7}
+  assert compile_options.overlap_options("tpu", {"collective-permute": 1}) == {}
   assert compile_options.overlap_options("cuda", {"all-gather": 1}) == {}
   assert compile_options.overlap_options("cpu", {"all-gather": 4}) == {}
 

@@ -162,3 +162,67 @@ def scheduled_markers(text: str, markers) -> list:
         out.append(tuple(sorted(found)))
     return out
   return walk("ENTRY")
+
+
+class Composed(NamedTuple):
+  """A future made of permutes (collectives/permute_forms.py: TPU v5p's
+  all-gather and reduce-scatter): its parts' windows, shifts 1, 2, ..."""
+  computation: str
+  parts: tuple[Window, ...]
+  op_name: str
+  sources: frozenset   # the parts' operands: one for an all-gather's
+
+  @property
+  def is_gather(self) -> bool:
+    """An all-gather's parts all send the same shard; a reduce-scatter's
+    each send another chunk."""
+    return len(self.sources) == 1
+
+  @property
+  def matmuls(self) -> int:
+    """The matmuls every part has in flight."""
+    return min(w.matmuls for w in self.parts)
+
+
+def _shift(instr: Instr) -> int | None:
+  m = re.search(r"source_target_pairs=\{\{0,(\d+)\}", instr.line)
+  return int(m.group(1)) if m else None
+
+
+def permute_futures(text: str) -> list[Composed]:
+  """The collective-permute windows grouped into the futures they come
+  from: a future's k-th part has shift k (device 0's target) and channel id
+  c + k for one c (the library numbers a future's parts in turn), so the
+  parts of one future share (computation, channel id - shift). In the order
+  of their first start."""
+  comps = scheduled(text)
+  groups: dict = {}
+  for w in windows(text):
+    if w.kind != "collective-permute":
+      continue
+    instr = comps[w.computation][w.start]
+    shift = _shift(instr)
+    channel = re.search(r"channel_id=(\d+)", instr.line)
+    if shift is None or channel is None:
+      key = (w.computation, "alone", w.start)
+    else:
+      key = (w.computation, int(channel.group(1)) - shift)
+    groups.setdefault(key, []).append(w)
+  out = []
+  for key, parts in groups.items():
+    # A loop the compiler unrolled repeats its body's channel ids: in start
+    # order, each part joins the first future still lacking its shift.
+    futures: list[list[Window]] = []
+    for w in sorted(parts, key=lambda w: w.start):
+      shift = _shift(comps[key[0]][w.start])
+      home = next((f for f in futures
+                   if shift not in {_shift(comps[key[0]][p.start]) for p in f}),
+                  None)
+      if home is None:
+        futures.append(home := [])
+      home.append(w)
+    for f in futures:
+      op = re.search(r'op_name="([^"]*)"', comps[key[0]][f[0].start].line)
+      sources = frozenset(comps[key[0]][p.start].operands[:1] for p in f)
+      out.append(Composed(key[0], tuple(f), op.group(1) if op else "", sources))
+  return sorted(out, key=lambda f: (f.computation, f.parts[0].start))

@@ -104,13 +104,13 @@ def _behind(windows):
 
 
 def _fsdp_cell(rt, name, text, warned, grad):
-  # Buckets (the default): one gather and one reduce-scatter a layer.
-  gathers = rt._async(text, _hlo_kind(rt, name, "all_gather"))
-  scatters = rt._async(text, _hlo_kind(rt, name, "psum_scatter"))
-  if _hlo_kind(rt, name, "all_gather") == _hlo_kind(rt, name, "psum_scatter"):
-    # v5p: both in their TPU form, an all-to-all each, not told apart here
-    cell = f"forms {sum(w.matmuls >= 1 for w in gathers)} of {len(gathers)} with a matmul"
-    return cell + (f", {_said(warned)}" if warned else "")
+  # Buckets (the default): one gather and one reduce-scatter a layer (v5p:
+  # each N-1 permutes, counted as one future: rt._gathers / rt._scatters).
+  gathers = rt._gathers(text, name)
+  scatters = rt._scatters(text, name)
+  if name == "tpu_v5p" and rt.OLDER:
+    gathers = rt._async(text, _hlo_kind(rt, name, "all_gather"))
+    scatters = rt._async(text, _hlo_kind(rt, name, "psum_scatter"))
   want = (2 if grad else 1) * (rt.LAYERS - 1)
   cell = f"gathers {sum(w.matmuls >= 1 for w in gathers)}/{want}"
   if grad:
@@ -236,8 +236,8 @@ def merge(files) -> str:
             "*grad* is `value_and_grad`): "
             "*k/n*: k gathers (reduce-scatters) with a matmul in flight, n wanted "
             "(all gathers but each pass's first layer's, all reduce-scatters but "
-            "the last layer's); on TPU a psum_scatter_start is its TPU form, an all-to-all "
-            "(v5p: the gathers too, *forms*). Collective matmul, forward / backward: async "
+            "the last layer's); on TPU v5e a psum_scatter_start is its TPU form, an all-to-all; "
+            "on v5p the gathers and reduce-scatters are each N-1 permutes, counted as one. Collective matmul, forward / backward: async "
             "permutes with a block matmul in the window / all permutes. expert_parallel "
             "(moe_compiled_test.py's block: 2 chunks, 2 experts a device, top-2, capacity 8), forward / "
             "value_and_grad: *k/n*: k all-to-alls with an expert matmul in flight, n wanted "

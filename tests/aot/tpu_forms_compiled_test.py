@@ -1,6 +1,6 @@
 """The TPU forms of the futures on the real TPU compiler (libtpu, ahead of
-time): every future an async pair with the matmul between start and done on
-v5e and v5p, and fsdp_scan's backward reduce-scatters in flight.
+time): every future an async pair (or pairs) with the matmul between start
+and done on v5e and v5p, and fsdp_scan's backward reduce-scatters in flight.
 
 libtpu 0.0.52 crashes or refuses the plain async reduce-scatter, all-reduce
 and rank-2 all-to-all, and compiles every all-gather of v5p synchronously; the
@@ -9,13 +9,17 @@ tpu_forms.py) with `xla_tpu_enable_async_all_to_all` on, one all-to-all in
 flight at a time (the compiler allows no more: on v5e each start is tied after
 the previous form's done, a module it still refuses for that is compiled again
 with each form finished where it starts; on v5p several are finished at once).
-Values are checked on CPU in
-tests/tpu_forms_test.py; here, the compile and the schedule.
+On v5p all_gather_start and psum_scatter_start are instead N-1
+collective-permutes in flight at once (collectives/permute_forms.py), with
+`xla_max_concurrent_async_collective_permutes` raised. Values are checked on
+CPU in tests/tpu_forms_test.py and tests/permute_forms_test.py; here, the
+compile and the schedule.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another compile may hold libtpu
@@ -40,14 +44,16 @@ pytestmark = pytest.mark.skipif(
 
 N = 8
 
-#: future -> the async pair it compiles to, per TPU generation.
+#: future -> the async pairs it compiles to, per TPU generation.
 PAIR = {
-    "tpu_v5e": {"all_gather": "all-gather", "psum": "all-to-all",
-                "psum_scatter": "all-to-all", "all_to_all": "all-to-all",
-                "ppermute": "collective-permute"},
-    "tpu_v5p": {"all_gather": "all-to-all", "psum": "all-to-all",
-                "psum_scatter": "all-to-all", "all_to_all": "all-to-all",
-                "ppermute": "collective-permute"},
+    "tpu_v5e": {"all_gather": ["all-gather"], "psum": ["all-to-all"],
+                "psum_scatter": ["all-to-all"], "all_to_all": ["all-to-all"],
+                "ppermute": ["collective-permute"]},
+    "tpu_v5p": {"all_gather": ["collective-permute"] * (N - 1),
+                "psum": ["all-to-all"],
+                "psum_scatter": ["collective-permute"] * (N - 1),
+                "all_to_all": ["all-to-all"],
+                "ppermute": ["collective-permute"]},
 }
 
 
@@ -84,9 +90,28 @@ def _future_program(t, kind):
 def test_each_future_is_an_async_pair_around_the_matmul(name, kind):
   t = target(name)
   text, warned = _compile(*_future_program(t, kind))
-  windows = schedule.windows(text)
-  assert [w.kind for w in windows] == [PAIR[name][kind]], windows
-  assert windows[0].matmuls >= 1, windows[0]
+  # (v5p: a slice of the psum_scatter's chunks may be an async pair too.)
+  windows = [w for w in schedule.windows(text) if w.kind != "slice"]
+  assert [w.kind for w in windows] == PAIR[name][kind], windows
+  assert all(w.matmuls >= 1 for w in windows), windows
+  assert not warned, warned
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
+def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
+  # Unfenced, XLA's CSE merged a gather's 7 permutes into one (one operand,
+  # the permutation only in frontend attributes: every slot then came from
+  # shift 7); each permute start now carries its config as its backend
+  # config too (lowering._to_custom_call_pair). 7 starts, 7 permutations.
+  t = target("tpu_v5p")
+
+  def f(x):
+    return _start(kind, x).done()[None]
+  fn = jax.shard_map(f, mesh=t.mesh, in_specs=P("x"), out_specs=P("x"))
+  text, warned = _compile(fn, (arg(t, (64 * N, 16), P("x")),))
+  starts = re.findall(r"collective-permute-start\(.*?source_target_pairs=(\{[^=]*\}),",
+                      text)
+  assert len(set(starts)) == N - 1, starts
   assert not warned, warned
 
 
@@ -174,14 +199,60 @@ def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_fi
   assert sum(w.matmuls >= 1 for w in gathers) >= 2 * 3 - 1, gathers
 
 
-@pytest.mark.parametrize("weights", [1, 2])
-def test_fsdp_scan_backward_on_v5p_compiles_with_its_forms_finished_at_once(weights):
-  # On v5p libtpu 0.0.52 aborts the process on fsdp_scan's backward over 2
-  # or 3 layers with its forms (gathers and reduce-scatters) async, tied or
-  # not ("Check failed" in copy insertion): there each is finished where it
-  # starts before the compile, and a warning says so.
+#: (weights, layers) -> why v5p keeps fewer reduce-scatters in flight than
+#: asked (the test xfails with the measured figure while short).
+V5P_SHORT = {
+    (1, 4): ("TPU v5p (libtpu 0.0.52), one weight over 4 layers: the second "
+             "reduce-scatter's 7 permutes run one after another, each "
+             "finished before the next starts, and only the last has the "
+             "step's matmul in flight; open (issue 16)"),
+}
+
+
+@pytest.mark.parametrize("weights,layers", [(1, 2), (2, 3), (1, 4), (2, 6)])
+def test_fsdp_scan_backward_on_v5p_keeps_its_permutes_in_flight(weights, layers):
+  # On v5p libtpu 0.0.52 aborted the process on fsdp_scan's backward over 2
+  # or 3 layers with the all-to-all forms async ("Check failed" in copy
+  # insertion); the gathers and reduce-scatters are now permutes
+  # (collectives/permute_forms.py): the module compiles with them async,
+  # nothing is said, every gather but one has a matmul in flight (the
+  # forward's first), and each reduce-scatter but the last (6 layers: a
+  # loop's body counted once).
   t = target("tpu_v5p")
-  text, warned = _compile(*_fsdp_program(t, weights, 2))
-  assert _scatter_windows(text), schedule.windows(text)
+  text, warned = _compile(*_fsdp_program(t, weights, layers))
+  assert not warned, warned
+  futures = schedule.permute_futures(text)
+  scatters = [f for f in futures if not f.is_gather]
+  gathers = [f for f in futures if f.is_gather]
+  assert sum(f.matmuls == 0 for f in gathers) <= 1, gathers
+  assert len(scatters) >= 3 if layers > 2 else len(scatters) == 2, scatters
+  got = sum(f.matmuls >= 1 for f in scatters)
+  wanted = len(scatters) - 1
+  if got < wanted and (weights, layers) in V5P_SHORT:
+    pytest.xfail(f"{V5P_SHORT[weights, layers]} (measured {got} of {wanted})")
+  assert got >= wanted, scatters
+
+
+def test_several_all_to_all_forms_on_v5p_are_finished_at_once():
+  # What is still finished at once on v5p (compile_options.py): several
+  # futures whose form is an all-to-all (psum_start here, one after the
+  # other) in one module; said, and compiled.
+  t = target("tpu_v5p")
+
+  @program_order(enforce=True)
+  def body(x, w):
+    a = jax_overlap.psum_start(x, "x")
+    w = jnp.tanh(w @ w)
+    a = a.done()
+    b = jax_overlap.psum_start(a * 2, "x")
+    w = jnp.tanh(w @ w)
+    return b.done(), w
+
+  def f(x, w):
+    a, y = body(x, w)
+    return (a.sum() + y.sum())[None]
+  fn = jax.shard_map(f, mesh=t.mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+  text, warned = _compile(fn, (arg(t, (64, 16), P("x")), arg(t, (16, 16))))
+  assert not any(w.matmuls for w in schedule.windows(text)
+                 if w.kind == "all-to-all"), schedule.windows(text)
   assert any("aborts on some programs" in m for m in warned), warned
-  assert not any("inside an ordered block" in m for m in warned), warned

@@ -12,6 +12,7 @@ from jax._src import traceback_util
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - registers rules
+from jax_overlap._src.collectives import permute_forms as _permute_forms
 from jax_overlap._src.collectives import ragged as _ragged
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
 from jax_overlap._src.collectives.comm import Comm, trace_sync
@@ -39,6 +40,9 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
     # class: jax's subclasses take other constructor arguments).
     kind = next(k for k in (NameError, TypeError, ValueError) if isinstance(e, k))
     raise kind(f"{name}_start: {e}") from None
+  composed = _permute_forms.compose(name, params, x, where)
+  if composed is not None:
+    return composed
   form = None if params is None else _tpu_forms.trace_form(name, params, x)
   state = FutureState(name, where)
   comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note)

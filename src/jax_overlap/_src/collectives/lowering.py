@@ -274,7 +274,8 @@ def _sync_on_this_platform(ctx, op) -> bool:
   elif name == "all-gather" and \
       _device_kind(ctx) in tpu_forms.SYNC_ALL_GATHER_KINDS:
     why = ("the TPU v5p compiler makes every all-gather synchronous "
-           "(libtpu 0.0.52)")
+           "(libtpu 0.0.52); there its async form is N-1 collective-permutes "
+           "(permute_forms.py), and before that an all-to-all")
   if why is None:
     return False
   not_async.warn_future_lowered_sync("tpu", name, why + (
@@ -408,11 +409,18 @@ def _to_custom_call_pair(ctx, op, comm, *, split):
   if op.name in ("stablehlo.all_reduce", "stablehlo.reduce_scatter"):
     called = [_reducer_func(ctx, op)]
   result = op.results[0]
+  # XLA's CSE compares a custom call's target, operands and backend_config,
+  # not its frontend attributes, where the permutation and channel are: two
+  # ppermute starts of one operand (a gather's parts, permute_forms.py; a
+  # value sent both ways) were merged into one, on TPU and H100 alike, and
+  # every result then came from one permutation. The config as the backend
+  # config too keeps them apart.
+  apart = json.dumps(cfg) if name == "collective-permute" else ""
   with ir.InsertionPoint(op):
     started = mlir.custom_call(
         f"{name}-start", result_types=[result.type],
         operands=[op.operands[0]], api_version=1,
-        called_computations=called,
+        called_computations=called, backend_config=apart,
         extra_attributes={"mhlo.frontend_attributes": ir.DictAttr.get(
             {"async_collective_config": ir.StringAttr.get(json.dumps(cfg))})},
     ).result

@@ -5,7 +5,8 @@ Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
 * a future the backend cannot compile as an async pair, which the library
   lowers synchronously instead (values unchanged, nothing in flight): on TPU
   (libtpu 0.0.52) a `psum_scatter_start`, `psum_start` or `all_to_all_start`
-  (and on v5p an `all_gather_start`) that has no TPU form (tpu_forms.py:
+  (and on v5p an `all_gather_start`) that has no TPU form (tpu_forms.py,
+  permute_forms.py:
   several axis names, vmap, a transpose made by autodiff), and the futures in
   TPU form of a program holding more than one where libtpu refuses them in
   flight (it allows one async all-to-all at a time) or aborts on them (v5p);

@@ -17,6 +17,11 @@ is on (set for such modules by `ordering/compile_options.py`). So on TPU:
   rank 3 for the exchange, put back by `done()`;
 * `all_gather_start` on v5p: an all-to-all of N copies of the buffer.
 
+On v5p `all_gather_start` and `psum_scatter_start` first take their permute
+form (permute_forms.py: N-1 collective-permutes in flight at once, which
+libtpu compiles async there, several at a time); the all-to-all forms above
+stand for them only where that form does not apply.
+
 Each form is `start` (x -> the buffer in flight, ending in the all-to-all)
 and `done` (that buffer -> exactly the `jax.lax` collective's value), traced
 with jax's own ops where the future starts, so its types are jax's. The form

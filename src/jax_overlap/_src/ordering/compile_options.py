@@ -14,11 +14,16 @@ upper bound on what can be in flight), unless the user passed the option
 themselves (then theirs is kept as given):
 
 * GPU: `xla_gpu_experimental_parallel_collective_overlap_limit` (XLA's default 1);
-* TPU: `xla_max_concurrent_async_all_gathers` (libtpu's default 1).
+* TPU: `xla_max_concurrent_async_all_gathers` (libtpu's default 1), and for
+  collective-permutes `xla_max_concurrent_async_collective_permutes`
+  (libtpu's default 1: on v5p an `all_gather_start` or `psum_scatter_start`
+  is N-1 permutes in flight at once, collectives/permute_forms.py, which
+  failed to compile with `kExceedsOverlapLimit` on a
+  `collective-permute-done` without it).
 
 A TPU module that holds an async all-to-all (the TPU form of
-`psum_scatter_start`, `psum_start`, `all_to_all_start`, and on v5p of
-`all_gather_start`: collectives/tpu_forms.py) also gets
+`psum_scatter_start`, `psum_start` and `all_to_all_start`, on v5p of
+`psum_start` and `all_to_all_start`: collectives/tpu_forms.py) also gets
 `xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
 pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
 one async all-to-all in flight (no option raises it), so in a TPU module
@@ -33,9 +38,12 @@ holding several such futures:
   two in flight (`kExceedsOverlapLimit` on an all-to-all-done), the forms are
   finished where they start and it is compiled again
   (`_finish_forms_when_refused`, a retry hook on jax's compile; warned);
-* elsewhere (v5p, where libtpu 0.0.52 aborts the process on fsdp_scan's
-  backward over 2 or 3 layers with them async, tied or not; generations not
-  measured), each is finished where it starts before the compile (warned).
+* elsewhere (v5p, where libtpu 0.0.52 aborted the process on fsdp_scan's
+  backward over 2 or 3 layers with them async, tied or not, when its
+  gathers and reduce-scatters were such forms; generations not measured),
+  each is finished where it starts before the compile (warned). On v5p
+  fsdp_scan's gathers and reduce-scatters are permutes now, so this is left
+  to programs with several `psum_start` / `all_to_all_start` futures.
 
 A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
 (`patterns/fsdp/explicit_ties.py`) gets the GPU bound raised to the number of
@@ -45,7 +53,7 @@ partitioner's gather and reduce-scatter in flight at once. It also gets
 tied collectives; the A100 spec has it off).
 
 Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
-jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e), tests/aot/.
+jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e, v5p), tests/aot/.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
 TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
+TPU_PERMUTE_LIMIT = "xla_max_concurrent_async_collective_permutes"
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -72,6 +81,8 @@ def overlap_options(platform: str, starts: dict[str, int]) -> dict[str, Any]:
   options: dict[str, Any] = {}
   if platform == "tpu" and starts.get("all-gather", 0) > 1:
     options[TPU_ALL_GATHER_LIMIT] = starts["all-gather"]
+  if platform == "tpu" and starts.get("collective-permute", 0) > 1:
+    options[TPU_PERMUTE_LIMIT] = starts["collective-permute"]
   if platform == "tpu" and starts.get("all-to-all", 0) > 0:
     options[TPU_ASYNC_ALL_TO_ALL] = True
   return options
@@ -188,7 +199,7 @@ def _finish_forms_at_once(computation, device_kind) -> None:
     not_async.warn_once("tpu:several-all-to-alls", (
         f"{done} futures on tpu ({device_kind or 'unknown generation'}) in one "
         "compiled program are in their TPU form (psum_scatter_start, "
-        "psum_start, all_to_all_start; all_gather_start on v5p: an "
+        "psum_start, all_to_all_start: an "
         "all-to-all each); the TPU compiler allows one async all-to-all at a "
         "time, and on this generation libtpu 0.0.52 aborts on some programs "
         "holding several in flight (v5p), so each runs synchronously here "

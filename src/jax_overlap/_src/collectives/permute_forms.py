@@ -1,0 +1,182 @@
+"""`all_gather_start` and `psum_scatter_start` on TPU v5p, as
+collective-permutes in flight at once.
+
+libtpu (0.0.52) compiles every all-gather of v5p synchronously, crashes on an
+async reduce-scatter, and aborts on a module holding several of the
+all-to-all forms of `tpu_forms.py` in flight. It does compile async
+collective-permutes on v5p, several at once once
+`xla_max_concurrent_async_collective_permutes` allows it (set for such
+modules by `ordering/compile_options.py`; libtpu's default is one). So on v5p,
+over an axis of N devices:
+
+* `all_gather_start(x)`: N-1 permutes of `x`, the k-th to the device k
+  places further along the axis (k = 1 .. N-1), all started at once; `done()`
+  finishes them and puts the N shards (its own among them) in device order;
+* `psum_scatter_start(x)`: N-1 permutes, the k-th sending the chunk that the
+  device k places further owns to it; `done()` finishes them and sums the N
+  contributions to its own chunk (its own first, then by shift).
+
+Each device sends N-1 shards (chunks), the bytes of a ring, all of them in
+flight while the code written before `done()` runs. The future is a
+`composed.ComposedFuture` of `ppermute` futures, so everything the library
+does with a ppermute (autodiff, vmap, program_order, the compile options)
+holds for its parts. Values match `jax.lax` up to the order of the sum
+(each chunk is summed on one device only, so no two devices can disagree):
+tests/permute_forms_test.py checks values and gradients on CPU with `FORCE`.
+
+Measured with libtpu 0.0.52 (tests/aot/): each part an async pair around the
+matmul written before `done()`; fsdp_scan's gathers, and with buckets its
+reduce-scatters, in flight as on v5e. The parts share one operand (a
+gather's), which XLA's CSE merged until each permute start carried its
+config as its backend config (collectives/lowering.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax._src import source_info_util
+from jax._src import traceback_util
+
+from jax_overlap._src import _compat
+from jax_overlap._src.collectives.comm import Comm, trace_sync
+from jax_overlap._src.collectives.composed import ComposedFuture
+from jax_overlap._src.collectives.future import Future, FutureState
+from jax_overlap._src.collectives.primitives import finish, start
+
+source_info_util.register_exclusion(__file__)
+traceback_util.register_exclusion(__file__)
+
+#: TPU generations (device_kind) whose all-gathers and reduce-scatters are
+#: started as permutes: v5p ("TPU v5 lite" is v5e, whose all-gather is async
+#: and whose reduce-scatter form, one all-to-all, is kept).
+KINDS = frozenset({"TPU v5"})
+COLLECTIVES = ("all_gather", "psum_scatter")
+
+#: Test hook: choose the forms on every platform (values are checked on CPU).
+FORCE = False
+
+
+def wanted(name: str) -> bool:
+  """Whether a future of collective `name` started now is made of permutes."""
+  if name not in COLLECTIVES:
+    return False
+  if FORCE:
+    return True
+  platform, kind = _compat.trace_device()
+  return platform == "tpu" and kind in KINDS
+
+
+def _one_mesh_axis(axis_name):
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if len(names) != 1 or not isinstance(names[0], str):
+    return None
+  return names[0]
+
+
+def _mesh_axes() -> tuple:
+  try:
+    return tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh: none
+    return ()
+
+
+def _shift(x, axis, n, k, name, where):
+  """The ppermute future of `x` to the device `k` further along `axis`,
+  reported (if never finished) as the future of `name`."""
+  perm = tuple((j, (j + k) % n) for j in range(n))
+  jaxpr = trace_sync(lambda v: lax.ppermute(v, axis, perm), x)
+  state = FutureState(name, where)
+  comm = Comm("ppermute", jaxpr, state)
+  in_flight, operand = start(comm, x)
+  return Future(in_flight, operand, state,
+                lambda value, operand: finish(value, operand, comm))
+
+
+def _rolled(stack, shift):
+  """`stack` rolled by `shift` along its first axis, `shift` traced: slot j
+  holds stack[(j - shift) % n] (one dynamic slice of the stack twice)."""
+  n = stack.shape[0]
+  doubled = jnp.concatenate([stack, stack], axis=0)
+  return lax.dynamic_slice_in_dim(doubled, (n - shift % n) % n, n, axis=0)
+
+
+def _gathered(axis, n, a, tiled, own, parts):
+  # parts[k - 1] came from the device k places back, (i - k) % n: in the
+  # order own, parts[n - 2], ..., parts[0], slot m holds device (i + m) % n's
+  # shard, and rolled by i, slot j holds device j's.
+  stack = _rolled(jnp.stack([own, *reversed(parts)]), lax.axis_index(axis))
+  moved = jnp.moveaxis(stack, 0, a)
+  if not tiled:
+    return moved
+  shape = list(own.shape)
+  shape[a] *= n
+  return moved.reshape(shape)
+
+
+def _summed(d, tiled, own, parts):
+  # Each device sums its own chunk's contributions, in shift order (own
+  # first): the order of the sum differs from jax.lax's, the value does not
+  # where the sum is exact.
+  total = own
+  for part in parts:
+    total = total + part
+  if not tiled:
+    return total.reshape(total.shape[1:])
+  return jnp.moveaxis(total, 0, d)
+
+
+def compose(name: str, params: dict, x, where: str) -> Future | None:
+  """The future of collective `name` (with the `jax.lax` call's `params`)
+  on `x`, made of permutes; None where this form is not used (another
+  platform, several or positional axes, a shape it cannot split)."""
+  if params is None or not wanted(name):
+    return None
+  axis = _one_mesh_axis(params.get("axis_name"))
+  if axis is None:
+    return None
+  try:
+    n = lax.axis_size(axis)
+  except Exception:  # noqa: BLE001 - not a bound axis: no form
+    return None
+  if not FORCE and axis not in _mesh_axes():
+    return None   # a vmap axis: the plain future
+  if n < 2 or x.size == 0:
+    return None
+  out_aval = trace_sync(_reference(name, params), x).out_avals[0]
+  shift = functools.partial(_shift, axis=axis, n=n, name=name, where=where)
+  if name == "all_gather":
+    tiled = params["tiled"]
+    if params.get("to") is not None or (tiled and x.ndim == 0):
+      return None
+    a = params["axis"] % (x.ndim + (0 if tiled else 1)) if x.ndim else 0
+    parts = [shift(x, k=k) for k in range(1, n)]
+    combine = functools.partial(_gathered, axis, n, a, tiled)
+    return ComposedFuture(name, where, x, parts, combine, out_aval)
+  # psum_scatter
+  tiled = params["tiled"]
+  if x.ndim == 0:
+    return None
+  d = params["scatter_dimension"] % x.ndim
+  if x.shape[d] % n or (not tiled and x.shape[d] != n):
+    return None
+  xt = jnp.moveaxis(x, d, 0)
+  chunks = xt.reshape(n, xt.shape[0] // n, *xt.shape[1:])
+  # Slot k: the chunk owned by the device k places further, (i + k) % n.
+  mine = _rolled(chunks, -lax.axis_index(axis))
+  parts = [shift(mine[k], k=k) for k in range(1, n)]
+  combine = functools.partial(_summed, d, tiled)
+  return ComposedFuture(name, where, mine[0], parts, combine, out_aval)
+
+
+def _reference(name, params):
+  axis = params["axis_name"]
+  if name == "all_gather":
+    return lambda v: lax.all_gather(v, axis, axis=params["axis"],
+                                    tiled=params["tiled"])
+  return lambda v: lax.psum_scatter(
+      v, axis, scatter_dimension=params["scatter_dimension"],
+      tiled=params["tiled"])
