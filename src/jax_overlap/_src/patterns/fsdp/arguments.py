@@ -143,6 +143,12 @@ def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
         f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
         "the enclosing jax.shard_map binds.")
   _say_explicit_mesh_is_not_prefetched()
+  import os  # PROTOTYPE
+  if os.environ.get("JO_EXPLICIT_FUTURES"):
+    from jax_overlap._src.patterns.fsdp.explicit_futures import FutureReshardTransfer
+    return FutureReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
+                                                 shard_dims),
+                         precision, dtypes, bucket)
   return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
                                                  shard_dims),
                          precision, dtypes)
