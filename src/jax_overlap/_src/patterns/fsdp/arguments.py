@@ -16,7 +16,9 @@ from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import not_async
+from jax_overlap._src.collectives import not_async, tpu_forms
+from jax_overlap._src.patterns.fsdp.explicit_futures import \
+    FutureReshardTransfer
 from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
                                                      ShardMapTransfer)
@@ -142,16 +144,24 @@ def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
     raise NameError(
         f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
         "the enclosing jax.shard_map binds.")
+  layouts = _explicit_layouts(axis, axes, bound, params, shard_dims)
+  if _explicit_futures_here():
+    return FutureReshardTransfer(axes, layouts, precision, dtypes, bucket)
   _say_explicit_mesh_is_not_prefetched()
-  import os  # PROTOTYPE
-  if os.environ.get("JO_EXPLICIT_FUTURES"):
-    from jax_overlap._src.patterns.fsdp.explicit_futures import FutureReshardTransfer
-    return FutureReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
-                                                 shard_dims),
-                         precision, dtypes, bucket)
-  return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
-                                                 shard_dims),
-                         precision, dtypes)
+  return ReshardTransfer(axes, layouts, precision, dtypes)
+
+
+def _explicit_futures_here() -> bool:
+  """Whether an explicit mesh's moves are futures here
+  (explicit_futures.py): for a TPU whose all-gather is a plain async pair
+  (v5e; not v5p, where `all_gather_start` takes its all-to-all form), with
+  a jax that lowers a future as one (0.12). Elsewhere they are reshards:
+  tied into their step on GPU (explicit_ties.py), left to XLA on TPU v5p
+  and with older jax (whose plugin cannot take a future), blocking on CPU
+  anyway."""
+  platform, _ = _compat.trace_device()
+  return (platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS
+          and not tpu_forms.wanted("all_gather"))
 
 
 def _say_explicit_mesh_is_not_prefetched() -> None:

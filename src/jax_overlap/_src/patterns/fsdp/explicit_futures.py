@@ -76,7 +76,7 @@ class FutureReshardTransfer(ReshardTransfer):
         out[k] = jax.reshard(cast[k], _gathered_spec(lay, reduced[k]))
 
     def finish(k, w):
-      return jax.reshard(w, _gathered_spec(lays[k], reduced[k]))
+      return _as(w, _gathered_spec(lays[k], reduced[k]))
     return _Crossing(treedef, out, [
         _Group(self, "gather", members, [cast[k] for k in members],
                [lays[k] for k in members], False, finish)
@@ -95,7 +95,7 @@ class FutureReshardTransfer(ReshardTransfer):
            for k in range(len(leaves))]
 
     def finish(k, g):
-      return Precision.back_to(jax.reshard(g, lays[k].spec), dtypes[k])
+      return Precision.back_to(_as(g, lays[k].spec), dtypes[k])
     return _Crossing(treedef, out, [
         _Group(self, "scatter", members, [cast[k] for k in members],
                [lays[k] for k in members], self.bucket, finish)
@@ -177,6 +177,13 @@ class _Crossing:
       for k, v in zip(g.members, g.finish(), strict=True):
         out[k] = v
     return jax.tree.unflatten(self.treedef, out)
+
+
+def _as(v, spec):
+  """`v` typed with `spec` (a `jax.reshard` where its type differs; none
+  moves data here: the value is already laid out so)."""
+  have = getattr(getattr(jax.typeof(v), "sharding", None), "spec", None)
+  return v if have == spec else jax.reshard(v, spec)
 
 
 def _by_axes(members, lays):
