@@ -43,6 +43,8 @@ def _lower_start(ctx, x, *aux, comm, split):
   name, _ = lowering._find_start(out[0])
   if name is not None:
     _started(ctx)[comm] = name
+  else:   # one Comm lowered twice (a block traced once, called twice)
+    _started(ctx).pop(comm, None)
   return out
 
 
