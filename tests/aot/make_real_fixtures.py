@@ -25,7 +25,9 @@ Run it in each aot venv (the older jax's make only what compiles there):
       PYTHONPATH=$PWD/src $v/bin/python tests/aot/make_real_fixtures.py
     done
 
-`make_real_fixtures.py gpu` (or `tpu`) makes one target's files only.
+`make_real_fixtures.py gpu` (or `tpu`) makes one target's files only, and
+`--program NAME` (repeatable; a key of PROGRAMS) those programs only: the
+other programs' files and their "not made" lines in versions.txt stay.
 """
 
 from __future__ import annotations
@@ -52,8 +54,6 @@ PROGRAMS = {  # name -> (PROGRAMS key, extra args)
     "dp_tp_mlp_overlapped": ("dp_tp", (True,)),
 }
 TARGETS = {"gpu": "gpu_h100", "tpu": "tpu_v5e"}
-if len(sys.argv) > 1:
-  TARGETS = {k: v for k, v in TARGETS.items() if k in sys.argv[1:]}
 PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt",
             "nvidia-cuda-nvcc-cu12")
 
@@ -69,14 +69,22 @@ with context[0] if context else contextlib.nullcontext():
 """
 
 
-def _section(version: str, lines: list[str]) -> None:
-  """Replaces jax `version`'s section of versions.txt (the others stay)."""
+def _section(version: str, lines: list[str], made=None) -> None:
+  """Replaces jax `version`'s section of versions.txt (the others stay).
+  `made`: the "<target>_<program>" stems made this run, when not all were:
+  the old section's "not made" lines of the others are kept."""
   path = OUT / "versions.txt"
   text = path.read_text() if path.exists() else ""
   sections = re.split(r"(?m)^(?=## jax )", text)
   head = sections[0] if not sections[0].startswith("## jax ") else ""
   kept = [s for s in sections if s.startswith("## jax ") and
           not s.startswith(f"## jax {version}\n")]
+  if made is not None:
+    old = next((s for s in sections if s.startswith(f"## jax {version}\n")), "")
+    lines = lines + [
+        line for line in old.splitlines()
+        if line.startswith("not made: ") and
+        line[len("not made: "):].split(":", 1)[0] not in made]
   mine = f"## jax {version}\n" + "".join(f"{line}\n" for line in lines)
   kept.append(mine)
   kept.sort(key=lambda s: [int(p) for p in s.split()[2].split(".")])
@@ -106,7 +114,19 @@ def compile_with_dump(code: str, stem: pathlib.Path) -> subprocess.CompletedProc
   return run
 
 
-def main() -> int:
+def main(argv=None) -> int:
+  import argparse  # noqa: PLC0415
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("targets", nargs="*", help="gpu and/or tpu (default: both)")
+  ap.add_argument("--program", action="append", choices=sorted(PROGRAMS),
+                  help="make only this program (repeatable)")
+  args = ap.parse_args(argv)
+  if set(args.targets) - set(TARGETS):
+    ap.error(f"targets are {sorted(TARGETS)}, got {args.targets}")
+  targets = {k: v for k, v in TARGETS.items()
+             if not args.targets or k in args.targets}
+  programs = {k: v for k, v in PROGRAMS.items()
+              if not args.program or k in args.program}
   OUT.mkdir(parents=True, exist_ok=True)
   version = md.version("jax")
   notes = []
@@ -115,8 +135,8 @@ def main() -> int:
       notes.append(f"{p} {md.version(p)}")
     except md.PackageNotFoundError:
       notes.append(f"{p} (not installed)")
-  for prefix, target in TARGETS.items():
-    for name, (key, extra) in PROGRAMS.items():
+  for prefix, target in targets.items():
+    for name, (key, extra) in programs.items():
       stem = OUT / f"{prefix}_{name}-jax{version}"
       code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
                            key=key, extra=extra, out=f"{stem}.as_text.txt")
@@ -132,7 +152,9 @@ def main() -> int:
         why = why[:240]
         notes.append(f"not made: {prefix}_{name}: {why}")
         print(f"{stem.name}: does not compile: {why}", file=sys.stderr)
-  _section(version, notes)
+  every = len(targets) == len(TARGETS) and len(programs) == len(PROGRAMS)
+  _section(version, notes, None if every else
+           {f"{p}_{n}" for p in targets for n in programs})
   return 0
 
 

@@ -16,7 +16,9 @@ from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import not_async
+from jax_overlap._src.collectives import not_async, tpu_forms
+from jax_overlap._src.patterns.fsdp.explicit_futures import \
+    FutureReshardTransfer
 from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
                                                      ShardMapTransfer)
@@ -142,32 +144,56 @@ def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
     raise NameError(
         f"fsdp_scan(axis={axis!r}): {_in_scope(axes, bound)} Give only axes "
         "the enclosing jax.shard_map binds.")
+  layouts = _explicit_layouts(axis, axes, bound, params, shard_dims)
+  if _explicit_futures_here():
+    return FutureReshardTransfer(axes, layouts, precision, dtypes, bucket)
   _say_explicit_mesh_is_not_prefetched()
-  return ReshardTransfer(axes, _explicit_layouts(axis, axes, bound, params,
-                                                 shard_dims),
-                         precision, dtypes)
+  return ReshardTransfer(axes, layouts, precision, dtypes)
+
+
+def _explicit_futures_here() -> bool:
+  """Whether an explicit mesh's moves are futures here
+  (explicit_futures.py): for a TPU whose all-gather is a plain async pair
+  (v5e; not v5p, where `all_gather_start` takes its all-to-all form), with
+  a jax that lowers a future as one (0.12). Elsewhere they are reshards:
+  tied into their step on GPU (explicit_ties.py), left to XLA on TPU v5p
+  and with older jax (whose plugin cannot take a future), blocking on CPU
+  anyway."""
+  platform, _ = _compat.trace_device()
+  return (platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS
+          and not tpu_forms.wanted("all_gather"))
 
 
 def _say_explicit_mesh_is_not_prefetched() -> None:
-  """On an explicit mesh the moves are `jax.reshard`s that XLA's partitioner
-  turns into collectives. On GPU each step's are tied into it
-  (explicit_ties.py) and overlap the layer's matmuls (H100, jax 0.12.0.1).
-  On TPU they are left to XLA, which overlapped few (v5e, libtpu 0.0.52:
-  at width 16 none, every gather synchronous; at width 128, 3 of the 6
-  forward gathers, and no reduce-scatter), and the ties did not help. Said
-  once, where the trace knows it targets TPU (or another accelerator); CPU
-  makes every collective blocking anyway."""
-  platform, _ = _compat.trace_device()
+  """Where the moves stay `jax.reshard`s (not `_explicit_futures_here`),
+  XLA's partitioner turns them into collectives. On GPU each step's are
+  tied into it (explicit_ties.py) and overlap the layer's matmuls (H100,
+  A100, jax 0.10.2 to 0.12.0.1). On TPU they are left to XLA, which
+  overlapped few: v5e (libtpu 0.0.42.1 / 0.0.44.1 with jax 0.10.2 /
+  0.11.0, and 0.0.52 before the futures) at width 16 none, every gather
+  synchronous, at width 128 3 of the 6 forward gathers and no
+  reduce-scatter, and the ties did not help (7 of 12); v5p (libtpu
+  0.0.52) every gather synchronous. Said once, where the trace knows it
+  targets TPU (or another accelerator); CPU makes every collective
+  blocking anyway."""
+  platform, kind = _compat.trace_device()
   if platform in (None, "cpu", "cuda", "rocm", "gpu"):
     return
+  why = (f"jax {jax.__version__} cannot take a future for TPU (jax 0.12 "
+         "can: there, on v5e, the moves are futures and overlap)"
+         if not _compat.ASYNC_CUSTOM_CALLS else
+         f"{kind or 'this generation'} has no async all-gather pair that "
+         "a program can place (v5e does: there the moves are futures and "
+         "overlap)")
   not_async.warn_once("fsdp-explicit-mesh", (
       f"fsdp_scan on an explicit mesh, for {platform}: the weights move by "
-      "jax.reshard, which XLA's partitioner schedules, and on the TPU "
-      "compiler it overlapped few of them (measured: TPU v5e, libtpu 0.0.52; "
-      "on GPU they are tied into their layer's step and overlap). "
-      "For the prefetch, call fsdp_scan inside jax.shard_map over the fsdp "
-      "axis (its moves are then all_gather_start / psum_scatter_start "
-      "futures). Silence with warnings.filterwarnings('ignore', "
+      f"jax.reshard, which XLA's partitioner schedules, because {why}; the "
+      "TPU compiler overlapped few of them (measured with libtpu 0.0.52 "
+      "and older: TPU v5e at small widths every gather synchronous, v5p "
+      "every gather synchronous; on GPU they are tied into their layer's "
+      "step and overlap). Inside jax.shard_map over the fsdp axis the "
+      "moves are all_gather_start / psum_scatter_start futures. Silence "
+      "with warnings.filterwarnings('ignore', "
       "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 

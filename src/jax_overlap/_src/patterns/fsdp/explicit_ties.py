@@ -24,7 +24,8 @@ reduce-scatters (all but the last).
 The ties are lowered for GPU only (`lax.platform_dependent`, resolved when
 the program is lowered for its platform): on TPU v5e (libtpu 0.0.52) they
 made it worse (`value_and_grad` at width 128: 7 of 12 gathers overlapped,
-12 of 12 without), and CPU runs every collective blocking.
+12 of 12 without), and CPU runs every collective blocking. On TPU v5e with
+jax 0.12 the moves are futures instead (explicit_futures.py).
 
 A module holding these ties gets GPU's bound on collectives in flight
 raised (`ordering/compile_options.py`, from `count`): a backward step has a

@@ -60,7 +60,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     such as tensor parallelism's, stay: a matmul contracting over them
     needs `out_sharding=` in the layer, as in plain jax) and a
     reduce-scatter is resharding the gradient back. A leaf replicated over
-    the fsdp axes is used as it is.
+    the fsdp axes is used as it is. For TPU v5e with jax 0.12 the moves
+    are futures started and finished in `jax.shard_map`s over the fsdp
+    axes around the layer, which still computes on global arrays
+    (explicit_futures.py): there the prefetch overlaps as inside shard_map.
 
   Args:
     layer: `layer(x, layer_params) -> x` (`layer(x, layer_params, xs_i)`
@@ -118,7 +121,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       one, instead of one per leaf (each collective pays a fixed latency;
       packing costs a copy of the shards). False: one per leaf. On an
       explicit-sharding mesh XLA's partitioner makes the collectives and
-      this has no effect.
+      this has no effect, except for TPU v5e with jax 0.12, where the moves
+      are futures and the reduce-scatters are bucketed.
     replica_axis: hybrid sharding (HSDP): the mesh axis (or tuple of axes)
       the params are replicated over, beside `axis` that they are sharded
       over. Inside shard_map each gathered weight is typed as varying over
