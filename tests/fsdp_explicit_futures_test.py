@@ -123,3 +123,31 @@ def test_hsdp_gathers_are_futures_and_gradients_match():
   _close(got, jax.value_and_grad(reference, argnums=(0, 1))(x, params),
          rtol=1e-4, atol=1e-5)
   assert starts.get("all_gather", 0) >= 2, starts
+
+
+@pytest.mark.parametrize("name", ["default", "no-bucket"])
+def test_v5p_permute_futures_values_and_gradients(name, monkeypatch):
+  # On TPU v5p the futures are N-1 permutes each (permute_forms.py), started
+  # in one shard_map and finished in another as the plain pairs are.
+  from jax_overlap._src.collectives import permute_forms
+  monkeypatch.setattr(permute_forms, "FORCE", True)
+  layer, kw, _ = SETTINGS[name]
+  x, params = _inputs()
+
+  def reference(x, params):
+    y, _ = lax.scan(lambda x, w: (layer(x, w), None), x, params)
+    return jnp.sum(y ** 2)
+  mesh = _mesh(True)
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  args = (put(x, P(AXIS)), jax.tree.map(put, params, _specs(params)))
+  loss = lambda x, p: jnp.sum(jo.fsdp_scan(layer, x, p, axis=AXIS, **kw) ** 2)
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    got = f(*args)
+    starts = _starts(f.trace(*args).jaxpr)
+  _close(got, jax.value_and_grad(reference, argnums=(0, 1))(x, params),
+         rtol=1e-4, atol=1e-5)
+  n = len(jax.devices())
+  # every gather and reduce-scatter made of n - 1 permutes; none left plain
+  assert starts.get("ppermute", 0) >= 3 * (n - 1), starts
+  assert "all_gather" not in starts and "psum_scatter" not in starts, starts

@@ -16,7 +16,7 @@ from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import not_async, tpu_forms
+from jax_overlap._src.collectives import not_async, permute_forms, tpu_forms
 from jax_overlap._src.patterns.fsdp.explicit_futures import \
     FutureReshardTransfer
 from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
@@ -154,14 +154,15 @@ def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
 def _explicit_futures_here() -> bool:
   """Whether an explicit mesh's moves are futures here
   (explicit_futures.py): for a TPU whose all-gather is a plain async pair
-  (v5e; not v5p, where `all_gather_start` takes its all-to-all form), with
-  a jax that lowers a future as one (0.12). Elsewhere they are reshards:
-  tied into their step on GPU (explicit_ties.py), left to XLA on TPU v5p
-  and with older jax (whose plugin cannot take a future), blocking on CPU
-  anyway."""
+  (v5e) or N-1 permutes (v5p, collectives/permute_forms.py; not a
+  generation where `all_gather_start` takes its all-to-all form), with a
+  jax that lowers a future as one (0.12). Elsewhere they are reshards:
+  tied into their step on GPU (explicit_ties.py), left to XLA with older
+  jax (whose plugin cannot take a future), blocking on CPU anyway."""
   platform, _ = _compat.trace_device()
   return (platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS
-          and not tpu_forms.wanted("all_gather"))
+          and (permute_forms.wanted("all_gather")
+               or not tpu_forms.wanted("all_gather")))
 
 
 def _say_explicit_mesh_is_not_prefetched() -> None:
@@ -180,11 +181,11 @@ def _say_explicit_mesh_is_not_prefetched() -> None:
   if platform in (None, "cpu", "cuda", "rocm", "gpu"):
     return
   why = (f"jax {jax.__version__} cannot take a future for TPU (jax 0.12 "
-         "can: there, on v5e, the moves are futures and overlap)"
+         "can: there, on v5e and v5p, the moves are futures and overlap)"
          if not _compat.ASYNC_CUSTOM_CALLS else
          f"{kind or 'this generation'} has no async all-gather pair that "
-         "a program can place (v5e does: there the moves are futures and "
-         "overlap)")
+         "a program can place (v5e and v5p do: there the moves are futures "
+         "and overlap)")
   not_async.warn_once("fsdp-explicit-mesh", (
       f"fsdp_scan on an explicit mesh, for {platform}: the weights move by "
       f"jax.reshard, which XLA's partitioner schedules, because {why}; the "

@@ -18,8 +18,10 @@ every layer's but the last). The done finds its start across the two
 shard_maps through collectives/crossing.py.
 
 Chosen where the trace targets a TPU whose all-gather is a plain async pair
-(v5e: arguments.py `_explicit_futures_here`); v5p's `all_gather_start` is
-an all-to-all form there, and jax < 0.12 cannot take a future for TPU.
+(v5e) or N-1 permutes (v5p, collectives/permute_forms.py: the same 6 of 6
+forward, 11 of 11 gathers and 3 of 3 reduce-scatters, each future counted
+once): arguments.py `_explicit_futures_here`; jax < 0.12 cannot take a
+future for TPU.
 
 The gathered weight comes out replicated over the fsdp axes and is cast
 (`jax.reshard`, no data moves) to the `P(reduced=...)` type the gathers of
