@@ -51,10 +51,10 @@ class FutureState:
     self.where = where
     self.internal = internal
     self.parent = parent
-    # [done() called on this copy, done() called on a copy made from it].
-    # A list, so that `watch`'s finalizer can read it without keeping the
-    # state alive.
-    self._flags = [internal, False]
+    # [done() called on this copy, done() called on a copy made from it,
+    # reported unfinished already]. A list, so that `watch`'s finalizer can
+    # read it without keeping the state alive.
+    self._flags = [internal, False, False]
     self._watched = False
 
   def copy(self) -> FutureState:
@@ -81,6 +81,13 @@ class FutureState:
     self._flags[0] = True
     for a in self._ancestors():
       a._flags[1] = True
+
+  def reported(self) -> None:
+    """Marks that an error said this future was never finished, so that
+    `watch`'s warning does not say it again when the future is collected
+    (under `jax.grad` of an eager `shard_map` the primal start runs eagerly
+    and is watched, and the linearized program's DCE raises for it)."""
+    self._flags[2] = True
 
   def describe(self) -> str:
     return f"the future from {self.collective}_start started at {self.where}"
@@ -109,7 +116,7 @@ class FutureNotFinishedWarning(RuntimeWarning):
 
 
 def _warn_if_unfinished(flags: list[bool], description: str) -> None:
-  if not any(flags):
+  if not any(flags):  # neither finished nor reported by an error
     warnings.warn(
         f"{description} was never finished: call .done() on it (it ran "
         "eagerly, outside any jit, so its value was computed but never used).",
