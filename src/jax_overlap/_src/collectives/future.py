@@ -94,7 +94,8 @@ class FutureState:
 
   def watch(self) -> None:
     """For a future that ran eagerly, where no lowering can check it: warn
-    when the last copy is collected if done() was never called."""
+    when the last copy is collected if done() was never called (and no
+    error said so already: `reported`)."""
     if self._watched or self.finished:
       return
     self._watched = True
