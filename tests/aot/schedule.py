@@ -2,15 +2,19 @@
 
 Each scheduled computation lists its instructions in schedule order. An async
 collective is a `X-start` and, later, the `X-done` that depends on it (on TPU
-possibly through `async-collective` continuation fusions); its window is what
-is scheduled between them. A matmul is an instruction whose metadata names a
-`dot_general` (GPU: a gemm fusion or cuBLAS call; TPU: a convolution fusion).
+possibly a chain of fusions: start, continuations, done), paired by the
+library's inspector; its window is what is scheduled between them. A matmul
+is an instruction whose metadata names a `dot_general` (GPU: a gemm fusion
+or cuBLAS call; TPU: a convolution fusion).
 """
 
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
+
+from jax_overlap._src.inspection.reading.hlo_text import parse_hlo_text
+from jax_overlap._src.inspection.schedule.pairing import read_schedule
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\b([a-z][a-z0-9\-]*)\((.*)$")
@@ -67,42 +71,35 @@ class Window(NamedTuple):
     return sum(i.is_matmul for i in self.between)
 
 
-def _kind(instr: Instr) -> str:
-  # GPU wraps some in `fusion-start` named `%all-reduce-start.1`.
-  named = re.match(r"([a-z][a-z\-]*?)-start\b", instr.name)
-  if named:
-    return named.group(1)
-  return instr.opcode[: -len("-start")]
-
-
 def windows(text: str) -> list[Window]:
-  """Every async pair in the scheduled computations, with what lies between."""
+  """Every async pair in the scheduled computations whose start and done are
+  both there, with what lies between, in the order of their dones.
+
+  The pairs are the library's inspector's (`read_schedule`, which follows a
+  start's value, or a TPU fusion chain's state, to its done; itself tested
+  on the committed real texts in tests/inspect_real_forms_test.py); what lies
+  between and which of it is a matmul are read here, from the text. A second
+  pairing here, walking back from a done through every operand, mis-paired
+  TPU chains: from a continuation fusion it followed the fused compute's
+  operands to another start (an async copy's)."""
+  module = parse_hlo_text(text)
+  comps = scheduled(text)
+  entry = module.entry.name
+  order = {name: k for k, name in enumerate(comps)}
   out = []
-  for comp, instrs in scheduled(text).items():
-    index = {i.name: k for k, i in enumerate(instrs)}
-    for k, instr in enumerate(instrs):
-      if not (instr.opcode.endswith("-done") or
-              re.match(r"[\w\-]*-done", instr.name)):
-        continue
-      if instr.opcode in ("copy-done",) or instr.name.startswith("copy-done"):
-        continue
-      # Walk back through continuations to the start.
-      seen, frontier, start = set(), list(instr.operands[:1]), None
-      while frontier:
-        name = frontier.pop()
-        if name in seen or name not in index:
-          continue
-        seen.add(name)
-        cand = instrs[index[name]]
-        if cand.opcode.endswith("-start") or re.match(r"[\w\-]*-start", cand.name):
-          start = index[name]
-          break
-        frontier.extend(cand.operands)
-      if start is None:
-        continue
-      out.append(Window(_kind(instrs[start]), comp, start, k,
-                        tuple(instrs[start + 1:k])))
-  return out
+  for pair in read_schedule(module).collectives():
+    if pair.done is None or pair.done is pair.start or \
+        pair.done_computation != pair.computation or \
+        any(move == "next" for move, _ in pair.moves):
+      continue  # synchronous, or its done in another computation or iteration
+    comp = "ENTRY" if pair.computation == entry else pair.computation
+    if comp not in comps:
+      continue
+    index = {i.name: k for k, i in enumerate(comps[comp])}
+    start, done = index[pair.start.name], index[pair.done.name]
+    out.append(Window(pair.kind, comp, start, done,
+                      tuple(comps[comp][start + 1:done])))
+  return sorted(out, key=lambda w: (order[w.computation], w.done))
 
 
 def is_sync(text: str, kind: str) -> bool:

@@ -51,10 +51,10 @@ class FutureState:
     self.where = where
     self.internal = internal
     self.parent = parent
-    # [done() called on this copy, done() called on a copy made from it].
-    # A list, so that `watch`'s finalizer can read it without keeping the
-    # state alive.
-    self._flags = [internal, False]
+    # [done() called on this copy, done() called on a copy made from it,
+    # reported unfinished already]. A list, so that `watch`'s finalizer can
+    # read it without keeping the state alive.
+    self._flags = [internal, False, False]
     self._watched = False
 
   def copy(self) -> FutureState:
@@ -82,12 +82,20 @@ class FutureState:
     for a in self._ancestors():
       a._flags[1] = True
 
+  def reported(self) -> None:
+    """Marks that an error said this future was never finished, so that
+    `watch`'s warning does not say it again when the future is collected
+    (under `jax.grad` of an eager `shard_map` the primal start runs eagerly
+    and is watched, and the linearized program's DCE raises for it)."""
+    self._flags[2] = True
+
   def describe(self) -> str:
     return f"the future from {self.collective}_start started at {self.where}"
 
   def watch(self) -> None:
     """For a future that ran eagerly, where no lowering can check it: warn
-    when the last copy is collected if done() was never called."""
+    when the last copy is collected if done() was never called (and no
+    error said so already: `reported`)."""
     if self._watched or self.finished:
       return
     self._watched = True
@@ -109,7 +117,7 @@ class FutureNotFinishedWarning(RuntimeWarning):
 
 
 def _warn_if_unfinished(flags: list[bool], description: str) -> None:
-  if not any(flags):
+  if not any(flags):  # neither finished nor reported by an error
     warnings.warn(
         f"{description} was never finished: call .done() on it (it ran "
         "eagerly, outside any jit, so its value was computed but never used).",

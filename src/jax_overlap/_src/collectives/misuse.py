@@ -46,6 +46,7 @@ _compat.register_dce_rule(collective_done_p, _done_dce)
 def check_finished(comm: Comm):
   state = comm.state
   if not state.finished:
+    state.reported()
     raise FutureNotFinishedError(
         f"{state.describe()} was never finished: call .done() on it inside "
         "the jit that started it (it may pass through shard_map or "

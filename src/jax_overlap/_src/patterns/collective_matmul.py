@@ -27,6 +27,7 @@ import numpy as np
 
 from jax_overlap._src.patterns._ring import Ring, gather_ring, reduce_scatter_ring
 from jax_overlap._src.patterns.leaf_scope import moving
+from jax_overlap._src.patterns.varying import vary_over, varying
 
 
 def all_gather_matmul(x, w, axis, *, gather_dimension: int = 0,
@@ -159,9 +160,7 @@ def _accumulator_dtype(dtype):
 def _zeros(shape, dtype, *, like):
   """A buffer to fill, typed as varying over the mesh axes `like` varies
   over, so that filling it inside the ring casts nothing there."""
-  axes = tuple(sorted(_varying_axes(like), key=str))
-  zeros = jnp.zeros(shape, dtype)
-  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+  return vary_over(jnp.zeros(shape, dtype), sorted(varying(like), key=str))
 
 
 def _gather_then_matmul(ring: Ring, dim: int, x, w):
@@ -318,21 +317,9 @@ def _dimension(name: str, arg: str, value, shape, what: str,
   return dim
 
 
-def _varying_axes(a) -> frozenset:
-  aval = jax.typeof(a)
-  manual = getattr(aval, "manual_axis_type", None)
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
 def _same_varying(axis, *arrays):
   """Casts each array to vary over every mesh axis any of them (or `axis`)
   varies over, so that the custom_vjp's cotangents have their primals'
   types; jax sums the cotangent of a cast back over the axes it added."""
-  every = frozenset({axis}).union(*map(_varying_axes, arrays))
-  out = []
-  for a in arrays:
-    missing = tuple(sorted(every - _varying_axes(a), key=str))
-    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-  return out
+  every = sorted(frozenset({axis}).union(*map(varying, arrays)), key=str)
+  return [vary_over(a, every) for a in arrays]
