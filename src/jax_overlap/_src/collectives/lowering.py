@@ -13,6 +13,17 @@ collective op it produces into an async pair:
   its halves, and it makes every collective blocking anyway; this way barriers
   only ever see finished values.
 
+A future may be finished in another region than the one that started it
+(fsdp_scan on an explicit mesh starts a gather in one `jax.shard_map` and
+finishes it in a second, patterns/fsdp/explicit_futures.py): its done then
+receives the in-flight value as an argument of the second body, and walking
+back finds no start. So each start that lowered to an async pair records its
+pair in the module's lowering cache, keyed by its `Comm` (the start and done
+of one future share it), and a done whose walk finds nothing finishes the
+pair recorded. Without that the done was the identity and XLA refused the
+lone start ("Custom emitter for all-gather-start not found", TPU v5e,
+libtpu 0.0.52). A start that stayed synchronous records nothing.
+
 Where the synchronous lowering does not end in one collective op (an untiled
 psum_scatter ends in a reshape; a vmapped collective over the vmap axis has
 no collective at all) the start lowers to the synchronous form: correct
@@ -51,7 +62,26 @@ _ASYNC_NAME = {
 }
 
 
+#: The key of the pairs started in a module, in its lowering cache.
+_STARTED = "jax_overlap started"
+
+
+def _started(ctx) -> dict:
+  """{Comm: '<op>'} of the async pairs started so far in this module."""
+  return ctx.module_context.cached_primitive_lowerings.setdefault(_STARTED, {})
+
+
 def _lower_start(ctx, x, *aux, comm, split):
+  out = _lower_start_here(ctx, x, *aux, comm=comm, split=split)
+  name, _ = _find_start(out[0])
+  if name is not None:
+    _started(ctx)[comm] = name
+  else:   # synchronous; or one Comm lowered twice (a block traced once, called twice)
+    _started(ctx).pop(comm, None)
+  return out
+
+
+def _lower_start_here(ctx, x, *aux, comm, split):
   check_finished(comm)
   if comm.tpu_form is not None:
     return [_lower_form_start(ctx, x, comm, split=split), x]
@@ -472,6 +502,9 @@ def _to_async_region_pair(op):
 def _lower_done(ctx, in_flight, *operand, comm):
   del operand
   name, _ = _find_start(in_flight)
+  if name is None:
+    # Started in another region (see the module docstring), if anywhere.
+    name = _started(ctx).get(comm)
   done = in_flight if name is None else _done_custom_call(name, in_flight)
   if name is not None and comm.tpu_form is not None and \
       _platforms(ctx) == ("tpu",):

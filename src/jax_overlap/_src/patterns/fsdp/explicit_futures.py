@@ -15,7 +15,7 @@ spans the layer's matmuls. Measured (v5e 2x4, libtpu 0.0.52, jax 0.12.0.1,
 6 of 6 gathers with a matmul in flight (every layer's but the first),
 value_and_grad 11 of 11 gathers and 3 of 3 reduce-scatters (one a layer,
 every layer's but the last). The done finds its start across the two
-shard_maps through collectives/crossing.py.
+shard_maps by the pair its start recorded (collectives/lowering.py).
 
 Chosen where the trace targets a TPU whose all-gather is a plain async pair
 (v5e) or N-1 permutes (v5p, collectives/permute_forms.py: the same 6 of 6
@@ -39,7 +39,6 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import program_order
-from jax_overlap._src.collectives import crossing  # noqa: F401 - registers rules
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.transfer import (_DONE_BY_THE_END,
                                                      LeafLayout,
