@@ -202,10 +202,16 @@ def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_fi
 #: (weights, layers) -> why v5p keeps fewer reduce-scatters in flight than
 #: asked (the test xfails with the measured figure while short).
 V5P_SHORT = {
-    (1, 4): ("TPU v5p (libtpu 0.0.52), one weight over 4 layers: the second "
-             "reduce-scatter's 7 permutes run one after another, each "
-             "finished before the next starts, and only the last has the "
-             "step's matmul in flight; open (issue 16)"),
+    (1, 4): ("TPU v5p (libtpu 0.0.52), one weight over 4 layers: libtpu's "
+             "scheduler runs the second reduce-scatter's 7 permutes two at a "
+             "time, each finished before the one after next starts, and "
+             "finishes them all before the next step's two matmuls, though "
+             "nothing in the HLO it schedules holds them there (the matmuls "
+             "neither read the dones nor feed the starts; permute limit 77, "
+             "at most 14 in flight; raising it, memory-pressure tracking "
+             "off, 1024-wide weights: unchanged). One weight a layer is the "
+             "same program with or without buckets, and the library cannot "
+             "tell this case at trace time: not said; open (issue 16)"),
 }
 
 
