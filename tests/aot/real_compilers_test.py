@@ -40,7 +40,6 @@ import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
-from jax_overlap._src.patterns.fsdp import v5p_scatters
 
 from jax_overlap._src.ordering import compiled_order
 
@@ -453,18 +452,7 @@ def test_the_async_pair_still_crashes_libtpu(kind):
 
 #: (test, target) -> why the overlap asked for is not there today. The test
 #: compiles, checks what it can, and xfails with this reason while short.
-SHORT_TODAY = {
-    ("backward scatters", "tpu_v5p"): (
-        "TPU v5p (libtpu 0.0.52), one reduce-scatter a weight (bucket=False): "
-        "libtpu's scheduler finishes the backward loop's second step's two "
-        "reduce-scatters before the next step's matmuls, their 7 permutes "
-        "one after another, though nothing in the HLO it schedules holds "
-        "them there and the permute limit is far above what is in flight "
-        "(patterns/fsdp/v5p_scatters.py); said at the call, with bucket=True "
-        "(the default: each but the last in flight, "
-        "test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu) as the "
-        "way out; open (issue 16)"),
-}
+SHORT_TODAY: dict = {}
 if OLDER:
   # jax < 0.12: the explicit mesh's moves are reshards on TPU (a future cannot
   # reach the plugin there: OLDER_JAX_PLUGIN_GAP), left to XLA.
@@ -528,15 +516,12 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
   got = sum(w.matmuls >= 1 for w in gathers)
   _short("backward", name, got, wanted)
   assert got >= wanted, gathers
-  if name == "tpu_v5p":
-    # psum_scatter_start is N-1 permutes, async; with one a weight libtpu
-    # finishes some before the next step's matmuls, and that is said, with
-    # bucket=True as the way out (patterns/fsdp/v5p_scatters.py) ...
-    # and nothing else (with bucket=True nothing is said: the test below).
-    assert list(warned) == [v5p_scatters.MESSAGE], warned
-  elif not is_tpu:
-    assert not warned, warned
   if not is_tpu:
+    # (v5p: psum_scatter_start is N-1 permutes, async, and nothing is said;
+    # each step's but the last in flight since the modules holding them get
+    # libtpu's experimental scheduler features, ordering/compile_options.py:
+    # 4 of 6 without, libtpu 0.0.52.)
+    assert not warned, warned
     got = sum(w.matmuls >= 1 for w in scatters)
     _short("backward scatters", name, got, (LAYERS - 1) * WEIGHTS)
     assert got >= (LAYERS - 1) * WEIGHTS, scatters
@@ -547,8 +532,7 @@ def test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu(name):
   # One reduce-scatter a layer (the default, bucket=True) in its TPU form
   # (v5e: an all-to-all; v5p: N-1 permutes): each but the last (of the
   # pass) has the layer's matmuls in flight, and every gather but each
-  # pass's first; nothing is said (on v5p not the bucket=False warning of
-  # the test above either; measured with libtpu 0.0.52: v5e 3 of 4
+  # pass's first; nothing is said (measured with libtpu 0.0.52: v5e 3 of 4
   # and 6 of 6; v5p 3 of 4 and 7 of 9, layer 0's regather with nothing in
   # flight, as in the test above).
   text, warned = _compile(name, "fsdp", True, True)

@@ -119,9 +119,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     bucket: inside shard_map, gather all of one layer's sharded leaves of
       one dtype in one collective, and reduce-scatter their gradients in
       one, instead of one per leaf (each collective pays a fixed latency;
-      packing costs a copy of the shards). False: one per leaf (on TPU
-      v5p some of those reduce-scatters lose their overlap, and a
-      CollectiveNotAsyncWarning says so: patterns/fsdp/v5p_scatters.py). On an
+      packing costs a copy of the shards). False: one per leaf. On an
       explicit-sharding mesh XLA's partitioner makes the collectives and
       this has no effect, except for TPU v5e with jax 0.12, where the moves
       are futures and the reduce-scatters are bucketed.

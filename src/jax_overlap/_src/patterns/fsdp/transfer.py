@@ -41,7 +41,6 @@ from jax_overlap import (all_gather_start, program_order, psum_scatter_start,
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
 from jax_overlap._src.patterns.fsdp import explicit_ties
-from jax_overlap._src.patterns.fsdp import v5p_scatters
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
@@ -145,8 +144,6 @@ class ShardMapTransfer:
     grads_ = [a for _, a in leaves]
     # (Planned on the gradients' dtypes, which are the gathered weights'.)
     buckets, lone = self._plan(grads_)
-    if not self.bucket:
-      v5p_scatters.warn_if_bucketing_would_help(self.dims, grads_)
     buckets = [_with_local_shapes(b, grads_, self._size()) for b in buckets]
     out = list(grads_)
     for k in lone:
