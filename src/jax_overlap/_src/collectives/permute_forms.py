@@ -25,8 +25,9 @@ holds for its parts. Values match `jax.lax` up to the order of the sum
 tests/permute_forms_test.py checks values and gradients on CPU with `FORCE`.
 
 Measured with libtpu 0.0.52 (tests/aot/): each part an async pair around the
-matmul written before `done()`; fsdp_scan's gathers, and with buckets its
-reduce-scatters, in flight as on v5e. The parts share one operand (a
+matmul written before `done()`; fsdp_scan's gathers and reduce-scatters (with
+buckets or one a weight) in flight as on v5e, once the module is compiled
+with libtpu's experimental scheduler features (compile_options.py). The parts share one operand (a
 gather's), which XLA's CSE merged until each permute start carried its
 config as its backend config (collectives/lowering.py).
 """

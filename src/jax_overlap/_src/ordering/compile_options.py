@@ -21,6 +21,18 @@ themselves (then theirs is kept as given):
   failed to compile with `kExceedsOverlapLimit` on a
   `collective-permute-done` without it).
 
+On TPU v5p (`permute_forms.KINDS`) such a module also gets
+`xla_tpu_enable_all_experimental_scheduler_features=True`. Without it libtpu
+0.0.52's latency-hiding scheduler finished some of fsdp_scan's permute
+reduce-scatters before the next step's matmuls, their permutes two at a
+time, though nothing held them there: in the HLO it scheduled, those matmuls
+neither read the dones nor fed the starts, the permute limit (77) was far
+above what was in flight (14 at most), and neither raising it, nor memory
+pressure tracking off, nor 1024-wide weights changed it (one reduce-scatter
+a weight, 4 layers of 2: 4 of the 6 wanted in flight; one weight over 4
+layers: 2 of 3). With it: 6 of 6 and 3 of 3, and the gathers as many or
+more; v5p's other real-compiler checks unchanged (tests/aot/).
+
 A TPU module that holds an async all-to-all (the TPU form of
 `psum_scatter_start`, `psum_start` and `all_to_all_start`, on v5p of
 `psum_start` and `all_to_all_start`: collectives/tpu_forms.py) also gets
@@ -70,6 +82,7 @@ GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
 TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
 TPU_PERMUTE_LIMIT = "xla_max_concurrent_async_collective_permutes"
+TPU_EXPERIMENTAL_SCHEDULER = "xla_tpu_enable_all_experimental_scheduler_features"
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -153,6 +166,9 @@ def _options_for(computation, platform: str, user_options, *,
     # reduce-scatter of XLA's partitioner in flight (explicit_ties.py).
     starts = {**starts, "fsdp-explicit-step": ties}
   wanted = overlap_options(platform, starts)
+  if (platform == "tpu" and starts.get("collective-permute", 0) > 1
+      and device_kind in _permute_form_kinds()):
+    wanted[TPU_EXPERIMENTAL_SCHEDULER] = True
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
     # their step's compute; a target that has it off (the A100 spec) ran
@@ -169,6 +185,11 @@ def _options_for(computation, platform: str, user_options, *,
 #: insertion, with or without the ties), so there, and on any generation not
 #: measured, they are finished where they start, as before.
 FORMS_IN_FLIGHT_KINDS = frozenset({"TPU v5 lite"})
+
+
+def _permute_form_kinds() -> frozenset:
+  from jax_overlap._src.collectives import permute_forms  # noqa: PLC0415
+  return permute_forms.KINDS
 
 
 def _explicit_fsdp_ties(computation) -> int:
