@@ -405,6 +405,78 @@ def test_two_ppermute_futures_of_one_value_stay_two(name):
   assert len(set(pairs)) == 2, pairs
 
 
+#: Futures along a minor axis: (collective, shard shape, keywords). Before
+#: collectives/major_dim.py, libtpu 0.0.52 (v5e) aborted the process on the
+#: first all-gather ("RET_CHECK IsMajorDimAllGather") and refused the
+#: second, and the H100 compiler refused every one of these ("Assigned
+#: parameter shape f32[8,16]{0,1} does not match layout of computation
+#: shape").
+MINOR_AXIS = {
+    "all_gather_axis1": ("all_gather", (8, 16), dict(axis=1, tiled=True)),
+    "all_gather_axis2_rank3": ("all_gather", (8, 16, 4), dict(axis=2, tiled=True)),
+    "all_gather_axis1_stacked": ("all_gather", (8, 16), dict(axis=1)),
+    "psum_scatter_dim1": ("psum_scatter", (8, 16),
+                          dict(scatter_dimension=1, tiled=True)),
+    "all_to_all_split1": ("all_to_all", (8, 16),
+                          dict(split_axis=1, concat_axis=0, tiled=True)),
+    "all_to_all_split1_concat1": ("all_to_all", (8, 16),
+                                  dict(split_axis=1, concat_axis=1, tiled=True)),
+}
+
+
+@needs_pairs
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100"])
+@pytest.mark.parametrize("case", sorted(MINOR_AXIS))
+def test_future_along_a_minor_axis_is_an_async_pair(name, case):
+  kind, shape, kw = MINOR_AXIS[case]
+  t = target(name)
+
+  @program_order(enforce=True)
+  def f(x, w):
+    future = getattr(jax_overlap, f"{kind}_start")(x, "x", **kw)
+    y = jnp.tanh(w @ w)
+    return (future.done().sum() + y.sum())[None]
+  text = compiled_text(_smap(t, f, (P("x"), P())),
+                       arg(t, (shape[0] * t.n,) + shape[1:], P("x")),
+                       arg(t, (128, 128)))
+  if name == "tpu_v5p" and kind in _PERMUTE_FORMS:
+    pairs = _gathers(text, name) + _scatters(text, name)
+  else:
+    forms = {"tpu_v5e": _TPU_FORM_KIND, "tpu_v5p": _V5P_FORM_KIND}.get(name, {})
+    pairs = _async(text, forms.get(kind, _HLO_KIND[kind]))
+  assert len(pairs) == 1 and pairs[0].matmuls >= 1, schedule.windows(text)
+
+
+@needs_pairs
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "value_and_grad"])
+def test_fsdp_scan_with_weights_sharded_on_their_minor_axis(name, grad):
+  # Column-sharded weights (P(None, None, "x"), shard_dims 2): each gather
+  # is along the weight's minor axis. Before collectives/major_dim.py,
+  # libtpu 0.0.52 (v5e) refused the module ("IsMajorDimAllGather") and the
+  # H100 compiler too ("Asynchronous computation async_computation expected
+  # to contain only the root and parameter instructions"). Now the windows
+  # are the default layout's (buckets on; layer 0 split by use order).
+  t = target(name)
+  spec = {"a": P(None, None, "x"), "b": P(None, None, "x")}
+
+  def loss(x, ps):
+    return jax_overlap.fsdp_scan(_layer, x, ps, axis="x",
+                                 shard_dims={"a": 2, "b": 2}).sum()[None]
+  f = fwd = _smap(t, loss, (P("x"), spec))
+  if grad:
+    f = jax.value_and_grad(lambda x, ps: fwd(x, ps).sum(), argnums=1)
+  w = arg(t, (LAYERS, 16, 16), P(None, None, "x"))
+  text = compiled_text(f, arg(t, (64, 16), P("x")), {"a": w, "b": w})
+  passes = 2 if grad else 1
+  gathers = _gathers(text, name)
+  assert sum(g.matmuls >= 1 for g in gathers) >= passes * (LAYERS - 1), gathers
+  if grad:
+    scatters = (_async(text, "all-to-all") if name == "tpu_v5e" else
+                _scatters(text, name))
+    assert sum(s.matmuls >= 1 for s in scatters) >= LAYERS - 1, scatters
+
+
 @needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
 def test_ragged_future_outside_program_order_is_the_compilers_to_schedule(name):

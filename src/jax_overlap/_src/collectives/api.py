@@ -12,6 +12,7 @@ from jax._src import traceback_util
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - registers rules
+from jax_overlap._src.collectives import major_dim as _major_dim
 from jax_overlap._src.collectives import permute_forms as _permute_forms
 from jax_overlap._src.collectives import ragged as _ragged
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
@@ -44,11 +45,30 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
   if composed is not None:
     return composed
   form = None if params is None else _tpu_forms.trace_form(name, params, x)
+  if form is None:
+    composed = _major_dim.compose(name, params, x, where, jaxpr.out_avals[0],
+                                  _along_major)
+    if composed is not None:
+      return composed
   state = FutureState(name, where)
   comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note)
   in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm, tuple(aux)))
+
+
+def _along_major(name, x, params):
+  """The plain future of collective `name` on `x` along its axis 0
+  (major_dim.py: `params` already say axis 0)."""
+  axis = params["axis_name"]
+  if name == "all_gather":
+    fn = lambda v: jax.lax.all_gather(v, axis, axis=0, tiled=params["tiled"])
+  elif name == "psum_scatter":
+    fn = lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=0,
+                                        tiled=params["tiled"])
+  else:
+    fn = lambda v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True)
+  return _start_future(name, fn, x, params)
 
 
 def _finish_future(comm: Comm, aux, value, operand):

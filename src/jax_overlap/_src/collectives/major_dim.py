@@ -1,0 +1,110 @@
+"""Futures that move data along a minor axis, moved along the major one.
+
+An async collective whose gathered, scattered or split dimension is not the
+operand's major one failed on both real compilers (jax 0.12.0.1, ahead of
+time, an (8, 16) f32 shard, dimension 1, under `program_order`):
+
+* `all_gather_start`: libtpu 0.0.52 on v5e aborted the process (`RET_CHECK
+  IsMajorDimAllGather`, all_gather_emitter.cc; an (8, 16, 4) shard along
+  axis 2 was refused with the same check), and the H100 compiler refused the
+  module, in `fsdp_scan` over column-sharded weights ("Asynchronous
+  computation async_computation expected to contain only the root and
+  parameter instructions") and on an argument ("Assigned parameter shape
+  f32[8,16]{0,1} does not match layout of computation shape": it wants the
+  operand laid out with that dimension major, which an entry parameter
+  cannot take);
+* `psum_scatter_start` (scatter_dimension 1) and `all_to_all_start`
+  (split_axis 1): the H100 compiler refused the module the same way. (On
+  TPU these take their TPU forms, tpu_forms.py, which move the axis first.)
+
+XLA's own synchronous collectives transpose in its partitioner instead. So
+such a future moves that axis to the front, runs the collective along axis
+0, and `done()` puts the result's axes back: the plain collective's bytes,
+values exactly `jax.lax`'s. The transposes are XLA's to fuse or lay out (on
+CPU, where every collective blocks, they are copies). The future is a
+`composed.ComposedFuture` of one plain future, so misuse reports, autodiff,
+vmap and `program_order` treat it as any future.
+
+Taken on every platform and jax version (one behaviour everywhere), after
+the TPU forms (permute_forms.py, tpu_forms.py), which place the axis
+themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax import lax
+from jax._src import source_info_util
+from jax._src import traceback_util
+import jax.numpy as jnp
+
+from jax_overlap._src.collectives.composed import ComposedFuture
+
+source_info_util.register_exclusion(__file__)
+traceback_util.register_exclusion(__file__)
+
+
+def compose(name: str, params, x, where: str, out_aval, start_major):
+  """The future of collective `name` on `x` (with the `jax.lax` call's
+  `params`) made of `start_major(name, x', params')`, the same collective
+  along axis 0 of `x` with that axis moved to the front; None where the axis
+  is already the major one, or for the other collectives."""
+  if params is None or x.ndim == 0:
+    return None
+  plan = _PLANS.get(name)
+  moved = None if plan is None else plan(params, x)
+  if moved is None:
+    return None
+  major, new_params, put_back = moved
+  part = start_major(name, major, dict(params, **new_params))
+  return ComposedFuture(name, where, None, [part],
+                        lambda _, values: put_back(values[0]), out_aval)
+
+
+def _all_gather(params, x):
+  if params.get("to") is not None:
+    return None
+  tiled = params["tiled"]
+  # where the gathered axis is in the result (untiled: a new axis there)
+  a = params["axis"] % (x.ndim + (0 if tiled else 1))
+  if a == 0:
+    return None
+  major = jnp.moveaxis(x, a, 0) if tiled else x
+  return major, dict(axis=0), lambda y: jnp.moveaxis(y, 0, a)
+
+
+def _psum_scatter(params, x):
+  d = params["scatter_dimension"] % x.ndim
+  if d == 0:
+    return None
+  major = jnp.moveaxis(x, d, 0)
+  if not params["tiled"]:   # the scattered axis is dropped
+    return major, dict(scatter_dimension=0), lambda y: y
+  return major, dict(scatter_dimension=0), lambda y: jnp.moveaxis(y, 0, d)
+
+
+def _all_to_all(params, x):
+  s = params["split_axis"] % x.ndim
+  c = params["concat_axis"] % x.ndim
+  if s == 0 or not params["tiled"]:
+    return None
+  names = params["axis_name"]
+  n = math.prod(lax.axis_size(a) for a in
+                (names if isinstance(names, (tuple, list)) else (names,)))
+
+  def put_back(y):
+    # y: the chunks received, device i's at rows [i*k, (i+1)*k) of axis 0,
+    # each laid out with the split axis first. Back to x's layout, then
+    # joined along the concat axis in device order.
+    chunks = y.reshape(n, y.shape[0] // n, *y.shape[1:])
+    chunks = jnp.moveaxis(chunks, 1, s + 1)          # (n, *a chunk's shape)
+    joined = jnp.moveaxis(chunks, 0, c)              # n just before axis c
+    shape = list(joined.shape)
+    shape[c:c + 2] = [shape[c] * shape[c + 1]]
+    return joined.reshape(shape)
+  return jnp.moveaxis(x, s, 0), dict(split_axis=0, concat_axis=0), put_back
+
+
+_PLANS = {"all_gather": _all_gather, "psum_scatter": _psum_scatter,
+          "all_to_all": _all_to_all}
