@@ -58,17 +58,13 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
 
 
 def _along_major(name, x, params):
-  """The plain future of collective `name` on `x` along its axis 0
-  (major_dim.py: `params` already say axis 0)."""
-  axis = params["axis_name"]
-  if name == "all_gather":
-    fn = lambda v: jax.lax.all_gather(v, axis, axis=0, tiled=params["tiled"])
-  elif name == "psum_scatter":
-    fn = lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=0,
-                                        tiled=params["tiled"])
-  else:
-    fn = lambda v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True)
-  return _start_future(name, fn, x, params)
+  """The plain future of collective `name` on `x` along its axis 0, by the
+  public start itself (major_dim.py: `params` already say axis 0)."""
+  start = {"all_gather": all_gather_start, "psum_scatter": psum_scatter_start,
+           "all_to_all": all_to_all_start}[name]
+  keywords = {k: v for k, v in params.items()
+              if k != "axis_name" and v is not None}
+  return start(x, params["axis_name"], **keywords)
 
 
 def _finish_future(comm: Comm, aux, value, operand):
