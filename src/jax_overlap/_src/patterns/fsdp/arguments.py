@@ -23,6 +23,7 @@ from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
                                                      ShardMapTransfer)
 from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
+from jax_overlap._src.patterns.varying import vary_over
 
 
 def check_remat_policy(policy):
@@ -49,13 +50,37 @@ def _shapes(tree) -> str:
                    for k, v in jax.tree_util.tree_leaves_with_path(tree))
 
 
+def _gather_hint(transfer) -> str:
+  """Inside shard_map: which dimension each leaf was gathered along, and how
+  to name another (a flax attention `out` kernel is sharded on its last
+  dimension when heads < devices)."""
+  inner = getattr(transfer, "inner", transfer)
+  dims = getattr(inner, "dims", None)
+  if not isinstance(inner, ShardMapTransfer) or dims is None:
+    return ""
+  said = sorted({d + 1 for d in dims if d is not None})
+  return (f" Each leaf was gathered along dimension "
+          f"{', '.join(map(str, said)) or '(none)'} (counting the layer "
+          "dimension): if a leaf is sharded along another, say which with "
+          "shard_dims= (one int, or a pytree of ints like params, e.g. "
+          "{'out': {'kernel': 3}} for a kernel sharded on its last "
+          "dimension).")
+
+
+def gathered_types(transfer, shards):
+  """The types of one layer's weights once `transfer` has gathered them."""
+  avals = jax.make_jaxpr(transfer.gather_now)(shards).out_avals
+  return jax.tree.unflatten(jax.tree.structure(shards), avals)
+
+
 def traced_layer(layer, x, transfer, shards, n_layers):
   """Traces `layer` once on x and one gathered layer's weights: checks that
   it accepts them and returns x's structure and types, and lifts the traced
-  values it closes over. Returns `(layer, hoisted)`: with `hoisted` empty the
-  user's layer as it is; else `layer((x, hoisted), w) -> (y, hoisted)`."""
-  w_avals = jax.make_jaxpr(transfer.gather_now)(shards).out_avals
-  w_avals = jax.tree.unflatten(jax.tree.structure(shards), w_avals)
+  values it closes over. Returns `(layer, hoisted, widen)`: with `hoisted`
+  empty the user's layer as it is; else `layer((x, hoisted), w) -> (y,
+  hoisted)`. `widen` is None, or for each leaf of x the mesh axes the
+  layer's output varies over beyond x's own (`widen_carry`)."""
+  w_avals = gathered_types(transfer, shards)
   x_leaves, x_tree = jax.tree.flatten(x)
   # (x may be types already: the output types of fsdp_scan's `before`)
   x_avals = [v if isinstance(v, jax_core.AbstractValue) else jax.typeof(v)
@@ -69,9 +94,11 @@ def traced_layer(layer, x, transfer, shards, n_layers):
         f"layer's weights ({type(e).__name__}: {e}). fsdp_scan reads the "
         f"leading dimension of every leaf of params as the layer dimension "
         f"({n_layers} layers here) and calls layer(x, params[i]) with "
-        f"x: {_shapes(x)} and params[i]: {_shapes(w_avals)}. If params hold "
-        "one layer's weights, stack them with a leading layer dimension "
-        "(e.g. jax.tree.map(lambda a: a[None], params)).") from e
+        f"x: {_shapes(x)} and params[i]: {_shapes(w_avals)}, gathered "
+        f"from the local shards {_shapes(shards)}."
+        f"{_gather_hint(transfer)} If params hold one layer's weights, stack "
+        "them with a leading layer dimension (e.g. jax.tree.map(lambda a: "
+        "a[None], params)).") from e
   out_avals = list(closed.out_avals)
   same = out_tree == x_tree and all(
       a.shape == b.shape and a.dtype == b.dtype
@@ -86,10 +113,12 @@ def traced_layer(layer, x, transfer, shards, n_layers):
         f"{_shapes(w_avals)}, of {n_layers} layers: if params hold one "
         "layer's weights, stack them with a leading layer dimension).")
 
+  gaps = [_varying_gap(a, b) for a, b in zip(x_avals, out_avals)]
+  widen = gaps if any(gaps) else None
   consts = _compat.jaxpr_consts(closed)
   traced = [k for k, c in enumerate(consts) if isinstance(c, jax_core.Tracer)]
   if not traced:
-    return layer, []
+    return layer, [], widen
   jaxpr = _compat.open_jaxpr(closed)
 
   def lifted(carry, w):
@@ -100,7 +129,26 @@ def traced_layer(layer, x, transfer, shards, n_layers):
     out = jax_core.eval_jaxpr(jaxpr, values, *jax.tree.leaves(x),
                              *jax.tree.leaves(w))
     return jax.tree.unflatten(x_tree, out), hoisted
-  return lifted, [consts[k] for k in traced]
+  return lifted, [consts[k] for k in traced], widen
+
+
+def _varying_gap(x_aval, y_aval) -> tuple:
+  """The mesh axes `y_aval` varies over and `x_aval` does not (sorted)."""
+  have, out = _compat.varying_axes(x_aval), _compat.varying_axes(y_aval)
+  return () if have is None or out is None else tuple(sorted(out - have))
+
+
+def widen_carry(x, widen):
+  """x with each leaf cast to vary over its `widen` axes as well.
+
+  Why: a carry leaf made replicated (an aux-loss accumulator
+  `jnp.zeros(())`) that the layer makes varying would change type from one
+  layer to the next, which a scan refuses; cast once before the stack, the
+  carry keeps one type (test_scalar_accumulator_in_the_carry in
+  tests/real_clients_fsdp_test.py)."""
+  leaves, tree = jax.tree.flatten(x)
+  return jax.tree.unflatten(tree, [vary_over(a, axes) if axes else a
+                                   for a, axes in zip(leaves, widen)])
 
 
 
@@ -116,7 +164,7 @@ def count_layers(params) -> int:
       raise ValueError(
           f"fsdp_scan(params=...): leaf {jax.tree_util.keystr(path)} has "
           f"shape {shape}; every leaf needs a leading layer dimension and a "
-          "sharded dimension after it.")
+          f"sharded dimension after it.{_module_hint(params, leaf)}")
     sizes[jax.tree_util.keystr(path)] = shape[0]
   if len(set(sizes.values())) != 1:
     raise ValueError(
@@ -126,6 +174,22 @@ def count_layers(params) -> int:
   if n < 1:
     raise ValueError("fsdp_scan(params=...) holds 0 layers; it needs at least 1.")
   return n
+
+
+def _module_hint(params, leaf) -> str:
+  """What to do when params is a whole module with non-weight leaves (an
+  equinox module's dropout rate, a flag)."""
+  equinox = any(c.__module__.split(".")[0] == "equinox"
+                for c in type(params).__mro__)
+  if equinox or not hasattr(leaf, "shape"):
+    return (" params looks like a whole module"
+            + (f" (an equinox.Module, {type(params).__name__})" if equinox
+               else "")
+            + ", with leaves that are not weights: pass its stacked arrays "
+            "only, e.g. `params, static = eqx.partition(stacked, "
+            "eqx.is_array)`, and rebuild each layer inside `layer` with "
+            "`eqx.combine(params_i, static)` (docs/fsdp.md, equinox).")
+  return ""
 
 
 def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
@@ -260,19 +324,19 @@ def _in_scope(axes, bound, mesh=None) -> str:
 
 def _local_dims(params, shard_dims, axes):
   """Per-layer sharded dimension of each leaf of `params` (flattened) inside
-  shard_map; None for a leaf kept replicated over `axes`."""
-  leaves = jax.tree.leaves(params)
-  if shard_dims is None:
-    # A leaf whose type says it does not vary over `axes` (shard_map's
-    # in_specs left it replicated, e.g. P()) is used as is; where this trace
-    # does not track varying axes (check_vma=False), every leaf is gathered
-    # along dimension 1 unless shard_dims says otherwise.
-    def default(p):
-      vma = _compat.varying_axes(p)
-      return None if vma is not None and not vma & set(axes) else 1
-    dims = [default(p) for p in leaves]
-  elif isinstance(shard_dims, int) and not isinstance(shard_dims, bool):
-    dims = [shard_dims] * len(leaves)
+  shard_map; None for a leaf kept replicated over `axes`.
+
+  A leaf whose type says it does not vary over `axes` (in_specs left it
+  replicated, e.g. `P()`) is never gathered: gathering p copies of it would
+  hand the layer a p-times-larger, wrong weight (tests/fsdp_test.py
+  test_replicated_leaf_is_never_gathered)."""
+  paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(params))
+  one_int = isinstance(shard_dims, int) and not isinstance(shard_dims, bool)
+  if shard_dims is None or one_int:
+    # Default 1, or the one int, for every leaf that varies over `axes`;
+    # without vma tracking (check_vma=False) every leaf counts as sharded.
+    dims = [1 if shard_dims is None else shard_dims] * len(leaves)
+    own = [False] * len(leaves)
   else:
     # A pytree of ints (or None) shaped like params, or a prefix of it.
     is_none = lambda d: d is None
@@ -285,20 +349,52 @@ def _local_dims(params, shard_dims, axes):
           "shaped like params (None for a leaf kept replicated); got "
           f"{shard_dims!r} for params of structure "
           f"{jax.tree.structure(params)}.") from None
-    dims = [d for d, sub in zip(jax.tree.leaves(shard_dims, is_leaf=is_none),
-                                subtrees)
-            for _ in jax.tree.leaves(sub)]
+    dims, own = [], []   # own: the dim was given for that leaf alone
+    for d, sub in zip(jax.tree.leaves(shard_dims, is_leaf=is_none), subtrees):
+      n = len(jax.tree.leaves(sub))
+      dims += [d] * n
+      own += [n == 1 and jax.tree.structure(sub).num_nodes == 1] * n
+  # A dim that covers several leaves (one int, a prefix) is for those of them
+  # that are sharded; one named for a replicated leaf alone is refused below.
+  dims = [None if not mine and _replicated(p, axes) else d
+          for d, mine, p in zip(dims, own, leaves)]
 
-  def check(d, p):
+  def check(path, d, p):
     if d is None:
       return None
+    where = jax.tree_util.keystr(path) or "(params itself)"
     if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < jnp.ndim(p):
       raise ValueError(
-          f"fsdp_scan(shard_dims=...): {d!r} is not a dimension after the "
-          f"layer dimension of a leaf of shape {jnp.shape(p)} (give 1 to "
-          f"{jnp.ndim(p) - 1}, or None for a leaf kept replicated).")
+          f"fsdp_scan(shard_dims=...): {d!r} for leaf {where} is not a "
+          f"dimension after the layer dimension of its shape {jnp.shape(p)} "
+          f"(give 1 to {jnp.ndim(p) - 1}, or None for a leaf kept "
+          "replicated).")
+    vma = _compat.varying_axes(p)
+    over = None if vma is None else vma & set(axes)
+    named = axes if len(axes) > 1 else axes[0]
+    if over is not None and not over:
+      raise ValueError(
+          f"fsdp_scan(shard_dims=...) names dimension {d} of leaf {where}, "
+          f"but its type says it is replicated over axis={named!r} (in_specs "
+          "left it unsharded there): gathering it would hand the layer "
+          "copies of it, a wrong weight. Give None for this leaf (it is "
+          f"then used as it is), or shard it over {named!r} in in_specs.")
+    if over is not None and over != set(axes):
+      raise ValueError(
+          f"fsdp_scan(axis={named!r}): leaf {where} varies over "
+          f"{tuple(sorted(over))} of those axes only (its type varies over "
+          f"{tuple(sorted(vma))}): gathering it over all of them would give "
+          f"the layer a wrong weight. Shard it over all of {named!r} in "
+          "in_specs, or give axis= the axes it is sharded over.")
     return d - 1
-  return [check(d, p) for d, p in zip(dims, leaves, strict=True)]
+  return [check(path, d, p) for path, d, p in zip(paths, dims, leaves,
+                                                  strict=True)]
+
+
+def _replicated(p, axes) -> bool:
+  """Whether leaf `p`'s type says it varies over none of `axes`."""
+  vma = _compat.varying_axes(p)
+  return vma is not None and not vma & set(axes)
 
 
 def _explicit_layouts(axis, axes, bound, params, shard_dims):

@@ -12,7 +12,10 @@ from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
-                                                      traced_layer)
+                                                      gathered_types,
+                                                      traced_layer,
+                                                      widen_carry)
+from jax_overlap._src.patterns.fsdp.layer_outputs import LayerOutputs
 from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          check_xs,
                                                          differentiable,
@@ -34,7 +37,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               xs=None, param_dtype=None, reduce_dtype=None,
               bucket: bool = True, replica_axis=None,
               reshard_after_forward: bool | int = 1, prefetch: int = 1,
-              before=None, after=None):
+              before=None, after=None, has_ys: bool = False):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -82,13 +85,14 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     axis: the mesh axis name the weights are sharded over, or a tuple of
       names (e.g. `("data", "fsdp")`, ZeRO-3 over the whole mesh).
     shard_dims: in shard_map only: the sharded dimension of each leaf of
-      `params` (counting the layer dimension): one int for all leaves, or a
-      pytree of ints like `params` (or a prefix of it), with None for a leaf
-      kept replicated: used as is, never gathered, its gradient reduced over
-      the axis by autodiff as for any replicated shard_map input (not twice).
-      Default: 1, the first dimension after the layer dimension, except for
-      a leaf whose type says it does not vary over `axis` (in_specs left it
-      replicated, e.g. `P()`), which is kept replicated; without vma tracking
+      `params` (counting the layer dimension): one int for all sharded
+      leaves, or a pytree of ints like `params` (or a prefix of it), with
+      None for a leaf kept replicated: used as is, never gathered, its
+      gradient reduced over the axis by autodiff as for any replicated
+      shard_map input (not twice). Default: 1, the first dimension after the
+      layer dimension. A leaf whose type says it does not vary over `axis`
+      (in_specs left it replicated, e.g. `P()`) is always kept replicated
+      (a dimension named for it alone is an error); without vma tracking
       (`shard_map(..., check_vma=False)`) that cannot be seen, so say None
       there. On an explicit-sharding mesh a leaf whose sharding does not
       mention `axis` is kept replicated the same way.
@@ -157,6 +161,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       output (the head, the loss); in the backward pass its backward runs
       while the last layer's weights are gathered again. fsdp_scan then
       returns `after(y)`. See `stack_ends.py` for the schedule.
+    has_ys: the layer returns `(x, y)`, as a `lax.scan` body returns
+      `(carry, y)`, and fsdp_scan returns `(x, ys)` (with `after`:
+      `(after(x), ys)`), the ys stacked over the layers (aux losses, KV
+      caches, sown values); their gradients flow. False: the layer returns x.
 
   Returns:
     The output of the last layer (with `after`: `after` of it). Its gradients with respect to `params` come
@@ -199,6 +207,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
     raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1, got {unroll!r}.")
   check_remat_policy(remat_policy)
+  if not isinstance(has_ys, bool):
+    raise TypeError(f"fsdp_scan(has_ys=...) must be True or False, got "
+                    f"{has_ys!r}.")
   if not isinstance(bucket, bool):
     raise TypeError(f"fsdp_scan(bucket=...) must be True or False, got "
                     f"{bucket!r}.")
@@ -223,6 +234,17 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   x_in, x = x, (x if ends is None else ends.stack_input)
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
                              replica_axis)
+  if has_ys:
+    # Each layer's y rides in the carry, written at its index (layer_outputs.py).
+    outputs = LayerOutputs(layer, x, gathered_types(transfer, _layer(params, 0)),
+                           xs, n_layers)
+    layer, xs = outputs.layer, outputs.xs(xs)
+    if ends is None:
+      x = (x, outputs.buffer())
+    else:
+      before, after = outputs.before(before), outputs.after(after)
+      ends = StackEnds(before, after, x_in)
+      x = ends.stack_input
   if isinstance(transfer, ReshardTransfer):
     trial = layer if xs is None else (
         lambda x, w, xs0=_layer(xs, 0): layer(x, w, xs0))
@@ -231,7 +253,19 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     # Layer i's weights and xs[i] travel as a pair (layer_inputs.py).
     layer, transfer = with_layer_inputs(layer), PairTransfer(transfer)
     params = (params, xs)
-  layer, hoisted = traced_layer(layer, x, transfer, _layer(params, 0), n_layers)
+  user_layer = layer
+  layer, hoisted, widen = traced_layer(user_layer, x, transfer,
+                                       _layer(params, 0), n_layers)
+  if widen is not None:
+    # The layer makes carry leaves vary over more axes: they start so.
+    if ends is None:
+      x = widen_carry(x, widen)
+    else:
+      first = before if before is not None else (lambda v: v)
+      ends = StackEnds(lambda v: widen_carry(first(v), widen), after, x_in)
+      x = ends.stack_input
+    layer, hoisted, _ = traced_layer(user_layer, x, transfer,
+                                     _layer(params, 0), n_layers)
   if ends is not None:
     return _fsdp_scan(layer, ends.run_input(x_in, hoisted), params, n_layers,
                       transfer, unroll, remat_policy, ends,
