@@ -294,11 +294,11 @@ def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch):
                     reason="this jax lacks AxisType.Explicit or jax.reshard")
 def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
   # Lowered for GPU, each step's reshards are tied into it (two barriers a
-  # step: patterns/fsdp/explicit_ties.py), and the module gets the GPU bound
+  # step: ordering/gpu_ties.py), and the module gets the GPU bound
   # on collectives in flight raised to that and the latency-hiding
   # scheduler on; lowered for CPU there is no tie (tests/aot checks what the
   # H100 and A100 compilers make of it).
-  from jax_overlap._src.patterns.fsdp import explicit_ties  # noqa: PLC0415
+  from jax_overlap._src.ordering import gpu_ties as explicit_ties  # noqa: PLC0415
   mesh = jax.make_mesh((2,), ("i",), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   sharded = lambda a, spec: jax.device_put(a, jax.NamedSharding(mesh, spec))

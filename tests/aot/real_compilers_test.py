@@ -635,7 +635,7 @@ def test_fsdp_scan_on_an_explicit_mesh(name, grad):
   # As the shard_map context: each weight's gather but the first layer's
   # (each pass) in flight across matmuls, and each reduce-scatter but the
   # last layer's. On GPU each step's moves are tied into it
-  # (patterns/fsdp/explicit_ties.py); without the ties H100 combined every
+  # (ordering/gpu_ties.py); without the ties H100 combined every
   # layer's gather into one before the loop (0 of 6 weights, and 0 of 11
   # and 0 of 6 for value_and_grad), and A100 (latency-hiding scheduler off
   # in its spec, on for modules with ties) made them synchronous. On TPU

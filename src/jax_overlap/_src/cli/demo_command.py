@@ -73,7 +73,6 @@ def demo(opts) -> int:
   import optax  # noqa: PLC0415
   from jax.sharding import NamedSharding  # noqa: PLC0415
 
-  import jax_overlap  # noqa: PLC0415
   from jax_overlap._src.demo import corpus as corpus_lib  # noqa: PLC0415
   from jax_overlap._src.demo import model, training  # noqa: PLC0415
   from jax_overlap._src.inspection.errors import HardwareProfileError  # noqa: PLC0415

@@ -49,7 +49,7 @@ def mesh_of(devices: int):
 
 def losses_for(cfg: model.Config, mesh, param_specs) -> tuple[Callable, Callable]:
   """(overlapped loss, plain unordered loss), each (params, tokens, targets)."""
-  from jax_overlap import fsdp_scan  # noqa: PLC0415
+  from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
 
   def plain(block, x, blocks):
     gather = lambda shard: jax.tree.map(
@@ -190,7 +190,7 @@ def sample(cfg, params, corpus, prompt: str, n: int) -> str:
 def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
   """The overlap report of the training step, ours and the plain scan's, at
   `opts.report_width` (traced from shapes alone: nothing is allocated)."""
-  import jax_overlap  # noqa: PLC0415
+  from jax_overlap._src.inspection.api import inspect  # noqa: PLC0415
   if opts.report_width:
     cfg = dataclasses.replace(cfg, d=opts.report_width,
                               hidden=4 * opts.report_width,
@@ -209,7 +209,7 @@ def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32,
                                 sharding=NamedSharding(mesh, P(AXIS)))
   ours, plain = losses_for(cfg, mesh, param_specs)
-  return {name: jax_overlap.inspect(train_step_for(loss, optimizer), params,
+  return {name: inspect(train_step_for(loss, optimizer), params,
                                     opt_state, tokens, tokens,
                                     hardware=opts.hardware)
           for name, loss in (("fsdp_scan", ours), ("plain scan", plain))}
@@ -236,8 +236,8 @@ def compare_line(reports: dict) -> str:
 def measured_line(train_step, params, opt_state, batch) -> str:
   """One line: the trained step measured under jax's profiler (2 steps), as
   device means, beside the modelled line above."""
-  import jax_overlap  # noqa: PLC0415
-  report = jax_overlap.measure(train_step, params, opt_state, *batch, steps=2,
+  from jax_overlap._src.inspection.measured.measure import measure  # noqa: PLC0415
+  report = measure(train_step, params, opt_state, *batch, steps=2,
                                warmup=0)
   totals = list(report.totals.values())
   if not totals or not any(t["comm_s"] for t in totals):

@@ -58,7 +58,7 @@ holding several such futures:
   to programs with several `psum_start` / `all_to_all_start` futures.
 
 A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
-(`patterns/fsdp/explicit_ties.py`) gets the GPU bound raised to the number of
+(`ordering/gpu_ties.py`) gets the GPU bound raised to the number of
 ties (two a step), as if each were a start: a backward step has the
 partitioner's gather and reduce-scatter in flight at once. It also gets
 `xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
@@ -76,6 +76,7 @@ from jax._src.lib.mlir import ir
 
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
+from jax_overlap._src.ordering import gpu_ties
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
@@ -163,7 +164,7 @@ def _options_for(computation, platform: str, user_options, *,
   ties = _explicit_fsdp_ties(computation) if platform in _GPU_PLATFORMS else 0
   if ties:
     # fsdp_scan on an explicit mesh: each tied step may have a gather and a
-    # reduce-scatter of XLA's partitioner in flight (explicit_ties.py).
+    # reduce-scatter of XLA's partitioner in flight (gpu_ties.py).
     starts = {**starts, "fsdp-explicit-step": ties}
   wanted = overlap_options(platform, starts)
   if (platform == "tpu" and starts.get("collective-permute", 0) > 1
@@ -193,8 +194,7 @@ def _permute_form_kinds() -> frozenset:
 
 
 def _explicit_fsdp_ties(computation) -> int:
-  from jax_overlap._src.patterns.fsdp import explicit_ties  # noqa: PLC0415
-  return explicit_ties.count(computation)
+  return gpu_ties.count(computation)
 
 
 def _form_count(computation) -> int:

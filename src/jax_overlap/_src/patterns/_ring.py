@@ -25,7 +25,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-from jax_overlap import ppermute_start, program_order
+from jax_overlap._src.collectives.api import ppermute_start
+from jax_overlap._src.ordering.decorator import program_order
 
 
 class Ring(NamedTuple):

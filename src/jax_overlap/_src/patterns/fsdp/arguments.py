@@ -221,7 +221,7 @@ def _explicit_futures_here() -> bool:
   (v5e) or N-1 permutes (v5p, collectives/permute_forms.py; not a
   generation where `all_gather_start` takes its all-to-all form), with a
   jax that lowers a future as one (0.12). Elsewhere they are reshards:
-  tied into their step on GPU (explicit_ties.py), left to XLA with older
+  tied into their step on GPU (ordering/gpu_ties.py), left to XLA with older
   jax (whose plugin cannot take a future), blocking on CPU anyway."""
   platform, _ = _compat.trace_device()
   return (platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS
@@ -232,7 +232,7 @@ def _explicit_futures_here() -> bool:
 def _say_explicit_mesh_is_not_prefetched() -> None:
   """Where the moves stay `jax.reshard`s (not `_explicit_futures_here`),
   XLA's partitioner turns them into collectives. On GPU each step's are
-  tied into it (explicit_ties.py) and overlap the layer's matmuls (H100,
+  tied into it (ordering/gpu_ties.py) and overlap the layer's matmuls (H100,
   A100, jax 0.10.2 to 0.12.0.1). On TPU they are left to XLA, which
   overlapped few: v5e (libtpu 0.0.42.1 / 0.0.44.1 with jax 0.10.2 /
   0.11.0, and 0.0.52 before the futures) at width 16 none, every gather

@@ -2,7 +2,7 @@
 
 On an explicit-sharding mesh the layer computes on global arrays, and a
 `jax.reshard` leaves the collective to XLA's partitioner, which on TPU v5e
-(libtpu 0.0.52) made most of them synchronous (explicit_ties.py has the
+(libtpu 0.0.52) made most of them synchronous (ordering/gpu_ties.py has the
 figures). Here only the transfer is manual: each sharded leaf's gather is
 started in a `jax.shard_map` over its fsdp axes (`all_gather_start`), the
 in-flight buffer leaves it as an ordinary sharded array, the user's layer
@@ -38,7 +38,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import program_order
+from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.transfer import (_DONE_BY_THE_END,
                                                      LeafLayout,

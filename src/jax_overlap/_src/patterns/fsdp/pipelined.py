@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_overlap import program_order
+from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp.layer_inputs import (differentiable,
                                                          float0_zeros)
 

@@ -22,7 +22,7 @@ returns `(compute(), gathered, scattered)`.
   is used as it is. These are not futures; the step is an ordered block
   holding one free block with the reshards and the compute, which XLA's
   scheduler may overlap; on GPU the step's inputs and outputs are tied
-  (explicit_ties.py) so that it keeps each step's collectives in the step.
+  (ordering/gpu_ties.py) so that it keeps each step's collectives in the step.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from jax import lax
 from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import (all_gather_start, program_order, psum_scatter_start,
-                         psum_start)
+from jax_overlap._src.collectives.api import (all_gather_start,
+                                              psum_scatter_start, psum_start)
+from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
-from jax_overlap._src.patterns.fsdp import explicit_ties
+from jax_overlap._src.ordering import gpu_ties
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
@@ -354,13 +355,13 @@ class ReshardTransfer:
       def together():
         # The values `compute` reads, as arguments: they are tied with the
         # shards and gradients to move, and its outputs with the moved ones
-        # (explicit_ties.py: on GPU that keeps each step's collectives in
+        # (ordering/gpu_ties.py: on GPU that keeps each step's collectives in
         # it, where XLA would combine them all outside the loop).
         run, inputs = jax.closure_convert(compute)
-        shards, grads, inputs = explicit_ties.tie((gather, scatter, inputs))
+        shards, grads, inputs = gpu_ties.tie((gather, scatter, inputs))
         gathered = None if shards is None else self.gather_now(shards)
         scattered = None if grads is None else self.scatter_now(grads)
-        return explicit_ties.tie((run(*inputs), gathered, scattered))
+        return gpu_ties.tie((run(*inputs), gathered, scattered))
       return together()
     return ordered()
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 from jax._src import core as jax_core
 
-from jax_overlap import program_order
+from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.layer_inputs import PairTransfer
 from jax_overlap._src.patterns.fsdp.precision import Precision

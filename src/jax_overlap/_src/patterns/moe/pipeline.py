@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jax_overlap import program_order
+from jax_overlap._src.ordering.decorator import program_order
 
 
 def exchange_pipeline(transport, chunks: int, *,

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap import all_to_all_start
+from jax_overlap._src.collectives.api import all_to_all_start
 from jax_overlap._src.patterns.moe.ragged_exchange import ragged_blocks_start
 from jax_overlap._src.patterns.moe.varying import vary_like
 
