@@ -23,6 +23,9 @@ from jax_overlap._src.inspection.errors import HloParseError as HloParseError
 from jax_overlap._src.inspection.model.hardware import HardwareProfile as HardwareProfile
 from jax_overlap._src.inspection.report.overlap_report import OverlapReport as OverlapReport
 
+# Every exception and warning class, in one public module (as jax.errors).
+from jax_overlap import errors as errors
+
 # Overlap patterns, built on the public names above.
 from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul
 from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
@@ -49,6 +52,7 @@ __all__ = [
     "psum_scatter_start",
     "psum_start",
     "ragged_all_to_all_start",
+    "errors",
     # Overlap patterns.
     "all_gather_matmul",
     "expert_parallel",

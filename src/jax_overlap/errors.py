@@ -1,0 +1,30 @@
+"""Every exception and warning jax-overlap raises or warns with, as `jax.errors`.
+
+Example:
+  >>> import warnings
+  >>> import jax_overlap
+  >>> from jax_overlap import errors
+  >>> errors.FutureNotFinishedError is jax_overlap.FutureNotFinishedError
+  True
+  >>> # Silence one kind of warning, here the one for a collective that a
+  >>> # compiler could not keep in flight:
+  >>> warnings.filterwarnings("ignore", category=errors.CollectiveNotAsyncWarning)
+"""
+
+from jax_overlap._src.collectives.future import FutureNotFinishedWarning as FutureNotFinishedWarning
+from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
+from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning as CollectiveNotAsyncWarning
+from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareProfileError
+from jax_overlap._src.inspection.errors import HloParseError as HloParseError
+from jax_overlap._src.inspection.measured.xplane import ProfileReadError as ProfileReadError
+from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
+
+__all__ = [
+    "CollectiveNotAsyncWarning",
+    "FutureNotFinishedError",
+    "FutureNotFinishedWarning",
+    "HardwareProfileError",
+    "HloParseError",
+    "OrderNotKeptWarning",
+    "ProfileReadError",
+]
