@@ -10,6 +10,7 @@ from jax_overlap._src.inspection.reading import live
 from jax_overlap._src.inspection.model import xla_cost
 from jax_overlap._src.inspection.model.hardware import resolve_hardware
 from jax_overlap._src.inspection.report.overlap_report import OverlapReport
+from jax_overlap._src.inspection.traced.staging import jax_compiled, stage
 from jax_overlap._src.inspection.traced.written import written_windows
 from jax_overlap._src.inspection.traced.written_schedule import (
     COST_LABEL, written_schedule)
@@ -37,8 +38,12 @@ def inspect(fn, *args, hardware=None, schedule=None, **kwargs) -> OverlapReport:
   and `done()`.
 
   Args:
-    fn: a function whose collectives to inspect; a `jax.jit` function is
-      traced and compiled with its own options (static arguments, shardings).
+    fn: a function whose collectives to inspect. A jitted function (one
+      with `.trace` or `.lower`: `jax.jit`, flax `nnx.jit`,
+      `eqx.filter_jit`) is traced and compiled with its own jit and options
+      (static arguments, shardings, an equinox module's non-array leaves);
+      a plain function is wrapped in `jax.jit`, so its arguments must be
+      arrays.
     *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
     hardware: a built-in profile ('h100', 'a100', 'tpu-v5e', 'tpu-v5p'), a
       `HardwareProfile`, or a .toml/.json profile path; None for h100.
@@ -52,7 +57,10 @@ def inspect(fn, *args, hardware=None, schedule=None, **kwargs) -> OverlapReport:
     it are modelled, not measured.
 
   Raises:
-    ValueError: `schedule` is not 'compiled', 'written' or None.
+    ValueError: `schedule` is not 'compiled', 'written' or None, or it is
+      'written' and `fn` could not be traced (it only lowers).
+    TypeError: `fn` is not callable, or it is a plain function and an
+      argument is not an array (the error names it).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -82,31 +90,33 @@ def inspect(fn, *args, hardware=None, schedule=None, **kwargs) -> OverlapReport:
     raise ValueError(
         f"inspect(schedule=...) must be 'compiled', 'written' or None (the "
         f"compiled one unless the backend made it blocking); got {schedule!r}.")
-  if not callable(fn):
-    raise TypeError(f"inspect(fn=...) must be a function to compile, got {fn!r}.")
   profile = resolve_hardware(hardware)
-  # A jitted function keeps its own options (static arguments, shardings).
-  jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
-  traced = jitted.trace(*args, **kwargs)
-  windows = written_windows(traced.jaxpr)
-  name = getattr(fn, "__name__", type(fn).__name__)
+  # A jitted function keeps its own jit and options (staging.py).
+  staged = stage(fn, args, kwargs, "inspect")
+  name = staged.name
+  windows = [] if staged.jaxpr is None else written_windows(staged.jaxpr)
   if schedule == "written":
-    return _written_report(traced, name, profile, windows, [])
+    if staged.jaxpr is None:
+      raise ValueError(
+          f"inspect(schedule='written') needs the traced program of "
+          f"fn={name!r}, which could not be traced here: "
+          f"{' '.join(staged.notes)} Use schedule='compiled' or None.")
+    return _written_report(staged.jaxpr, name, profile, windows, [])
   platform = jax.default_backend()
-  report = _compiled_report(traced, name, platform, profile, windows)
+  report = _compiled_report(staged, name, platform, profile, windows)
   blocking = [c for c in report.collectives if c.made_blocking]
   keeps_pairs = any(c.is_async for c in report.collectives)
   if schedule == "compiled" or keeps_pairs or not blocking or not windows:
     return report
-  return _written_report(traced, name, profile, windows, [
+  return _written_report(staged.jaxpr, name, profile, windows, [
       f"The {platform} backend made {len(blocking)} collective(s) blocking, "
       "so the compiled program overlaps nothing; this report models the "
       "schedule as written instead. inspect(..., schedule='compiled') gives "
       "the compiled one."])
 
 
-def _compiled_report(traced, name, platform, profile, windows):
-  compiled = traced.lower().compile()
+def _compiled_report(staged, name, platform, profile, windows):
+  compiled = jax_compiled(staged.lower().compile())
   source = f"{live.SOURCE} of {name} on {platform}"
   module, obj = live.compiled_module(compiled, source=source)
   costs = None
@@ -116,11 +126,11 @@ def _compiled_report(traced, name, platform, profile, windows):
     costs = candidate if candidate.available else None
   return OverlapReport.build(
       module, profile, source=source, cost_source=costs,
-      cost_label=xla_cost.LABEL, written=windows)
+      cost_label=xla_cost.LABEL, written=windows, notes=staged.notes)
 
 
-def _written_report(traced, name, profile, windows, notes):
-  written = written_schedule(traced.jaxpr, profile, name=name)
+def _written_report(jaxpr, name, profile, windows, notes):
+  written = written_schedule(jaxpr, profile, name=name)
   return OverlapReport.build(
       written.module, profile, source=f"traced program of {name}",
       cost_source=written.cost, cost_label=COST_LABEL, written=windows,

@@ -12,6 +12,9 @@ from jax._src import traceback_util
 
 from jax_overlap._src.inspection.measured.measured_report import MeasuredReport
 from jax_overlap._src.inspection.measured.xplane import read_capture
+from jax_overlap._src.inspection.reading import live
+from jax_overlap._src.inspection.traced.staging import (
+    argument_errors, jax_compiled, jax_lowered, runnable)
 
 traceback_util.register_exclusion(__file__)
 
@@ -27,11 +30,16 @@ def measure(fn, *args, steps: int = 3, warmup: int = 1, hardware=None,
   device: `runs`, `measured_s` (its kernels' time), `hidden_s` (the part
   during which compute ran on the same device) and `exposed_s`; `totals`
   gives each device's overlap from unions of intervals. The modelled record
-  of the same instruction (from the HLO the profile carries) stands beside
-  each. On CPU every collective is blocking, so `hidden_s` is 0.
+  of the same instruction stands beside each, read from the module `fn`
+  compiled to (the profile's HLO carries no source lines), so each record
+  names its source line and leaf as `inspect`'s do. On CPU every collective
+  is blocking, so `hidden_s` is 0.
 
   Args:
-    fn: the function to run; a `jax.jit` function keeps its own options.
+    fn: the function to run. A jitted function (one with `.lower`:
+      `jax.jit`, flax `nnx.jit`, `eqx.filter_jit`) runs with its own jit and
+      options; a plain function is wrapped in `jax.jit`, so its arguments
+      must be arrays.
     *args: its arguments (arrays).
     steps: how many runs to measure (an int >= 1).
     warmup: runs before the profile starts (an int >= 0; the first compiles).
@@ -42,6 +50,8 @@ def measure(fn, *args, steps: int = 3, warmup: int = 1, hardware=None,
 
   Raises:
     ValueError: `steps` or `warmup` is not a count.
+    TypeError: `fn` is not callable, or it is a plain function and an
+      argument is not an array (the error names it).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -62,10 +72,10 @@ def measure(fn, *args, steps: int = 3, warmup: int = 1, hardware=None,
           f"measure({name}=...) must be an int >= {least} (how many runs "
           f"{'to measure' if name == 'steps' else 'before measuring'}); "
           f"got {value!r}.")
-  if not callable(fn):
-    raise TypeError(f"measure(fn=...) must be a function to run, got {fn!r}.")
-  jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
-  module = _module_name(jitted, args, kwargs)
+  jitted = runnable(fn, "measure")
+  with argument_errors(fn, args, kwargs, "measure"):
+    lowered = jax_lowered(jitted.lower(*args, **kwargs))
+  module = _module_name(lowered)
   for _ in range(warmup):
     jax.block_until_ready(jitted(*args, **kwargs))
   with tempfile.TemporaryDirectory(prefix="jax_overlap_measure_") as tmp:
@@ -79,11 +89,19 @@ def measure(fn, *args, steps: int = 3, warmup: int = 1, hardware=None,
                  key=lambda f: f.stat().st_mtime)
     capture = read_capture(new[-1] if new else where)
   modules = {module} if any(e.module == module for e in capture.events) else None
+  texts = None
+  if modules is not None:
+    # The executable that ran (jax caches it): its module keeps the
+    # metadata (op_name, source lines) that the profile's copy drops.
+    compiled = jax_compiled(lowered.compile())
+    texts = {module: live.compiled_module(
+        compiled, source=f"{live.SOURCE} of {module}")[0]}
   return MeasuredReport.from_capture(capture, hardware=hardware,
-                                     modules=modules, steps=steps)
+                                     modules=modules, module_texts=texts,
+                                     steps=steps)
 
 
-def _module_name(jitted, args, kwargs) -> str | None:
+def _module_name(lowered) -> str | None:
   """The HLO module name `fn` compiles to (`jit_<name>`), from its lowering."""
-  match = _MODULE_NAME.search(jitted.lower(*args, **kwargs).as_text()[:2000])
+  match = _MODULE_NAME.search(lowered.as_text()[:2000])
   return match.group(1) if match else None

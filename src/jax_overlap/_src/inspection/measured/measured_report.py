@@ -24,7 +24,10 @@ _MODELLED_FIELDS = ("kind", "async", "runs", "comm_s", "exposed_s",
 
 @dataclasses.dataclass
 class MeasuredRecord:
-  """One collective instruction on one device, over the measured runs."""
+  """One collective instruction on one device, over the measured runs.
+  `where` (source line) and `leaf` are those of the modelled record of the
+  same instruction, the names `inspect`'s records carry, so the two
+  reports match row by row (tests/real_clients_report_test.py)."""
   name: str
   kind: str
   module: str | None
@@ -36,6 +39,8 @@ class MeasuredRecord:
   waiting_s: float
   flags: list[str]
   modelled: dict[str, Any] | None = None
+  where: str | None = None
+  leaf: str | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -131,6 +136,7 @@ class MeasuredReport:
       if match is not None:
         d = match.to_dict()
         r.modelled = {k: d[k] for k in _MODELLED_FIELDS if k in d}
+        r.where, r.leaf = match.where, match.leaf
     records.sort(key=lambda r: (r.module or "", _order(modelled, r), r.name,
                                 r.device))
     if not events:

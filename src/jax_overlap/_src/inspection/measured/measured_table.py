@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from jax_overlap._src.inspection.report.summary import short_path
 from jax_overlap._src.inspection.report.table import format_seconds
 
-HEAD = ("collective", "kind", "devices", "runs", "measured", "hidden",
+HEAD = ("collective", "kind", "source, leaf", "devices", "runs", "measured", "hidden",
         "exposed", "waiting", "modelled comm", "modelled exposed", "flags")
 
 
@@ -27,13 +28,21 @@ def rows(report) -> list[list[str]]:
       flags += [short(f) for f in r.flags if short(f) not in flags]
     steps = max(runs) / model["runs"] if model and model["runs"] else 1
     out.append([
-        name, rs[0].kind, str(n), "/".join(map(str, runs)),
+        name, rs[0].kind, _source(rs[0]), str(n), "/".join(map(str, runs)),
         format_seconds(mean("measured_s")), format_seconds(mean("hidden_s")),
         format_seconds(mean("exposed_s")), format_seconds(mean("waiting_s")),
         format_seconds(model["comm_s"] * steps) if model else "-",
         format_seconds(model["exposed_s"] * steps) if model else "-",
         "; ".join(flags)])
   return out
+
+
+def _source(r) -> str:
+  """'file:line leaf X', as `inspect`'s rows name the same collective."""
+  if not r.where and not r.leaf:
+    return "-"
+  where = short_path(r.where) if r.where else "source line unknown"
+  return f"{where} leaf {r.leaf}" if r.leaf else f"{where} leaf unknown"
 
 
 _EXPLAINED = {"waits for peers": (

@@ -95,7 +95,27 @@ def leaf(instr: HloInstruction) -> str | None:
     name = lexing.unquote(f'"{op_name(instr)}"')
   except ValueError:
     return None
-  return leaf_from_op_name(name)
+  return leaf_in(name)
+
+
+_TRANSFORMS = re.compile(r"^(?:[\w.\-]+\()+")
+
+
+def leaf_in(op_name: str) -> str | None:
+  """The innermost `jax_overlap.leaf=` name in `op_name`, also where jax
+  wrote the scope inside a transformation's parentheses: a future started
+  in a pattern under `jax.grad` has `jvp(jax_overlap.leaf=())` or
+  `transpose(jvp(jax_overlap.leaf=()))` there, so each scope loses its
+  leading `name(` and the `)`s that close them (the leaf's own brackets,
+  as in "()", stay balanced). Pinned by tests/real_clients_report_test.py."""
+  scopes = []
+  for scope in op_name.split("/"):
+    scope = _TRANSFORMS.sub("", scope)
+    depth = scope.count("(") - scope.count(")")
+    while depth < 0 and scope.endswith(")"):
+      scope, depth = scope[:-1], depth + 1
+    scopes.append(scope)
+  return leaf_from_op_name("/".join(scopes))
 
 
 def source_location(instr: HloInstruction,

@@ -18,6 +18,8 @@ from jax_overlap._src.inspection.traced.written import WrittenWindow
 
 _POINT_TO_POINT = {"collective-permute", "send", "recv",
                    "collective-broadcast"}
+#: The flag of a blocking collective that autodiff wrote (see `_from_autodiff`).
+FROM_AUTODIFF = "from autodiff"
 SHAPES_LABEL = "shapes in the HLO text"
 
 
@@ -97,6 +99,8 @@ def _collective(pair, schedule, timeline, several_threads,
     flags.insert(0, "made blocking by the backend")
   elif not pair.is_async:
     flags.insert(0, "blocking")
+    if _from_autodiff(pair.start):
+      flags.append(FROM_AUTODIFF)
   if pair.group_size is None and pair.kind not in _POINT_TO_POINT:
     flags.append(f"group size unknown (modelled as {UNKNOWN_GROUP_SIZE})")
   queued = totals.queued_behind if totals else []
@@ -117,6 +121,16 @@ def _collective(pair, schedule, timeline, several_threads,
       runs=totals.runs if totals else 0.0,
       comm_s=totals.seconds if totals else 0.0,
       exposed_s=totals.exposed if totals else 0.0, flags=flags)
+
+
+def _from_autodiff(instr) -> bool:
+  """Whether jax's autodiff wrote this collective: jax names the backward
+  pass's scopes `transpose(...)` in op_name (the gradient of an input
+  replicated over a shard_map axis is summed by an all-reduce written
+  there). The user cannot make such a collective a future where it is
+  written, so the summary suggests what to change instead
+  (tests/real_clients_report_test.py)."""
+  return "transpose(" in attrs.op_name(instr)
 
 
 def _copy(pair, schedule, timeline, several_threads) -> CopyRecord:

@@ -22,6 +22,31 @@ _FUTURE = {"all-gather": "all_gather_start", "all-reduce": "psum_start",
            "reduce-scatter": "psum_scatter_start",
            "all-to-all": "all_to_all_start",
            "collective-permute": "ppermute_start"}
+#: The flag `analysis.py` gives a blocking collective autodiff wrote.
+FROM_AUTODIFF = "from autodiff"
+#: What to change for a collective autodiff wrote, by kind: the forward
+#: operation it is the gradient of.
+_AUTODIFF_CHANGE = {
+    "all-reduce": (
+        "they sum the gradients of inputs replicated over the mesh axis "
+        "(in_specs P() inside shard_map): shard those weights over the axis "
+        "(with fsdp_scan each gradient is then a reduce-scatter in flight "
+        "behind the backward pass); psum_start cannot go where autodiff "
+        "writes the sum"),
+    "reduce-scatter": (
+        "they are the gradients of jax.lax.all_gather calls: start those "
+        "gathers with jax_overlap.all_gather_start, whose gradient's "
+        "reduce-scatter is then a future too"),
+    "all-gather": (
+        "they are the gradients of jax.lax.psum_scatter calls: use "
+        "jax_overlap.psum_scatter_start there"),
+    "all-to-all": (
+        "they are the gradients of jax.lax.all_to_all calls: use "
+        "jax_overlap.all_to_all_start there"),
+    "collective-permute": (
+        "they are the gradients of jax.lax.ppermute calls: use "
+        "jax_overlap.ppermute_start there"),
+}
 
 
 def render_summary(report, top: int = TOP) -> str:
@@ -82,7 +107,7 @@ def _collective_lines(rank: int, index: int, c) -> list[str]:
   head = (f"  {rank}. #{index} {c.kind} {c.start} -> {c.done or '?'}: exposed "
           f"{format_seconds(c.exposed_s)} of {format_seconds(c.comm_s)}"
           f"{runs}, {format_bytes(c.bytes)}")
-  where = f"at {_short(c.where)}" if c.where else "source line unknown"
+  where = f"at {short_path(c.where)}" if c.where else "source line unknown"
   leaf = f"leaf {c.leaf}" if c.leaf else "leaf unknown"
   tail = f"     {where}; {leaf}"
   if c.flags:
@@ -118,6 +143,17 @@ def hints_for(report) -> list[str]:
                   "schedule='written'))"))
   plain = [c for c in collectives if not c.is_async and not c.made_blocking
            and c.exposed_s > 0 and c.kind in _FUTURE]
+  # What autodiff wrote cannot be made a future where it stands.
+  autodiff = [c for c in plain if FROM_AUTODIFF in c.flags]
+  plain = [c for c in plain if FROM_AUTODIFF not in c.flags]
+  for kind in sorted({c.kind for c in autodiff}):
+    of_kind = [c for c in autodiff if c.kind == kind]
+    c = max(of_kind, key=lambda p: p.exposed_s)
+    found.append((sum(p.exposed_s for p in of_kind),
+                  f"{len(of_kind)} blocking {kind}(s) that autodiff inserted "
+                  f"expose {format_seconds(sum(p.exposed_s for p in of_kind))}"
+                  f" (largest: {c.start}{_at(c)}): "
+                  + _AUTODIFF_CHANGE[kind]))
   if plain:
     c = max(plain, key=lambda p: p.exposed_s)
     found.append((sum(p.exposed_s for p in plain),
@@ -191,10 +227,10 @@ def _last_exposed(report):
 
 
 def _at(c) -> str:
-  return f" at {_short(c.where)}" if c.where else ""
+  return f" at {short_path(c.where)}" if c.where else ""
 
 
-def _short(where: str) -> str:
+def short_path(where: str) -> str:
   """`file:line`, the file relative to the working directory when under it
   (the record keeps it whole)."""
   path, sep, line = where.rpartition(":")

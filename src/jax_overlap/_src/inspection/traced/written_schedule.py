@@ -161,6 +161,9 @@ class _Builder:
     self.computations: dict[str, HloComputation] = {}
     self.costs: dict[str, tuple[float, float]] = {}
     self.comm: dict[str, tuple[str, float, int | None]] = {}
+    # The (kind, label) of the start whose value each instruction holds
+    # (the start itself, or a tuple element carrying it through a loop).
+    self.flight: dict[str, tuple[str, str]] = {}
     self.notes: list[str] = []
     self.scopes: list[str] = []
 
@@ -255,11 +258,18 @@ class _Builder:
                            shape, self.operands(eqn, env), attributes)
     out.append(instr)
     self.comm[instr.name] = (kind, traced.aval_bytes(out_aval), size)
+    self.flight[instr.name] = (kind, label)
     env[eqn.outvars[0]] = instr.name
 
   def done(self, eqn, env, out, kind: str, label: str) -> None:
+    """A done named for the start whose value it takes: the done autodiff
+    writes for a transposed future carries the forward future's `comm`
+    (an all_gather's, for the reduce-scatter of its gradient), so its own
+    name would pair `psum_scatter_start` with `all_gather_done`
+    (tests/real_clients_report_test.py)."""
     flight = eqn.invars[0]
     value = env.get(flight) if _is_var(flight) else None
+    kind, label = self.flight.get(value, (kind, label))
     instr = HloInstruction(self.fresh(label + "_done"), kind + "-done",
                            _shape(eqn.outvars[0].aval),
                            (value,) if value else (), {})
@@ -358,6 +368,8 @@ class _Builder:
       instrs.append(gte)
       body_env[body_in[k]] = gte.name
       passed.append(gte.name)
+      if env[outer[k]] in self.flight:
+        self.flight[gte.name] = self.flight[env[outer[k]]]
     self.emit(body, body_env, sizes, instrs)
     root = []
     for index, k in enumerate(tracked):
@@ -391,6 +403,8 @@ class _Builder:
                              (loop_name,), {"index": str(index)})
         out.append(gte)
         env[eqn.outvars[k - fixed]] = gte.name
+        if root[index] in self.flight:
+          self.flight[gte.name] = self.flight[root[index]]
 
   def cond(self, eqn, env, sizes, out) -> None:
     """The costliest branch, inlined."""
