@@ -94,10 +94,13 @@ def test_v5p_permute_futures_get_libtpus_experimental_scheduler():
       device_kind="TPU v5") == {compile_options.TPU_PERMUTE_LIMIT: 2}
 
 
-def test_the_hook_is_installed():
+def test_the_hook_is_installed_once_a_future_is_lowered():
   from jax._src.interpreters import pxla
-  assert compile_options._INSTALLED
-  assert getattr(pxla.create_compile_options, "_jax_overlap_option_hooks", False)
+  from jax_overlap._src import compile_hook
+  _lowered(_two_gathers, "tpu", jnp.ones(8))
+  assert compile_hook.installed()
+  assert pxla.create_compile_options is not \
+      compile_hook._ORIGINALS[pxla, "create_compile_options"]
 
 
 @needs_split_pairs
@@ -203,9 +206,7 @@ def test_tpu_module_refused_for_two_all_to_alls_is_rewritten_once(monkeypatch):
 
 
 def test_a_refused_compile_runs_again_only_when_a_hook_takes_it_up(monkeypatch):
-  from jax._src import compiler
-  assert compile_options._RETRY_INSTALLED
-  assert getattr(compiler.compile_or_get_cached, "_jax_overlap_retry_hooks", False)
+  from jax_overlap._src import compile_hook
   calls = []
 
   def compile_or_get_cached(backend, computation, *rest):
@@ -213,15 +214,21 @@ def test_a_refused_compile_runs_again_only_when_a_hook_takes_it_up(monkeypatch):
     if len(calls) == 1:
       raise _REFUSAL
     return "executable"
-  wrapped = _compat._with_retry_hooks(compile_or_get_cached)
+  wrapped = compile_hook._hooked_compile(compile_or_get_cached)
   backend = type("Backend", (), {"platform": "tpu"})()
   taken = []
-  monkeypatch.setattr(_compat, "_COMPILE_RETRY_HOOKS", [
+  monkeypatch.setattr(compile_hook, "owns", lambda c: c == "module")
+  monkeypatch.setattr(compile_hook, "_RETRY_HOOKS", [
       lambda c, p, e: taken.append((c, p, e)) or True])
   assert wrapped(backend, "module") == "executable"
   assert calls == ["module", "module"] and taken == [("module", "tpu", _REFUSAL)]
+  # A module the library does not own is the user's: never retried.
   calls.clear()
-  monkeypatch.setattr(_compat, "_COMPILE_RETRY_HOOKS", [lambda c, p, e: False])
+  with pytest.raises(RuntimeError, match="kExceedsOverlapLimit"):
+    wrapped(backend, "theirs")
+  assert calls == ["theirs"] and len(taken) == 1
+  calls.clear()
+  monkeypatch.setattr(compile_hook, "_RETRY_HOOKS", [lambda c, p, e: False])
   with pytest.raises(RuntimeError, match="kExceedsOverlapLimit"):
     wrapped(backend, "module")
   assert calls == ["module"]

@@ -43,7 +43,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, compile_hook
 from jax_overlap._src.collectives import not_async
 from jax_overlap._src.collectives import tpu_forms
 from jax_overlap._src.collectives.comm import Comm
@@ -72,6 +72,7 @@ def _started(ctx) -> dict:
 
 
 def _lower_start(ctx, x, *aux, comm, split):
+  _own(ctx)
   out = _lower_start_here(ctx, x, *aux, comm=comm, split=split)
   name, _ = _find_start(out[0])
   if name is not None:
@@ -79,6 +80,12 @@ def _lower_start(ctx, x, *aux, comm, split):
   else:   # synchronous; or one Comm lowered twice (a block traced once, called twice)
     _started(ctx).pop(comm, None)
   return out
+
+
+def _own(ctx) -> None:
+  """The compile hook, from the first future lowered on (compile_hook.py)."""
+  compile_hook.install()
+  compile_hook.mark_owned(ctx.module_context)
 
 
 def _lower_start_here(ctx, x, *aux, comm, split):
@@ -501,6 +508,7 @@ def _to_async_region_pair(op):
 
 def _lower_done(ctx, in_flight, *operand, comm):
   del operand
+  _own(ctx)
   name, _ = _find_start(in_flight)
   if name is None:
     # Started in another region (see the module docstring), if anywhere.

@@ -74,7 +74,7 @@ from typing import Any
 
 from jax._src.lib.mlir import ir
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, compile_hook
 from jax_overlap._src.collectives import not_async
 from jax_overlap._src.ordering import gpu_ties
 
@@ -264,5 +264,5 @@ def _finish_forms_when_refused(computation, platform, error) -> bool:
   return True
 
 
-_INSTALLED = _compat.add_compile_options_hook(_options_for)
-_RETRY_INSTALLED = _compat.add_compile_retry_hook(_finish_forms_when_refused)
+compile_hook.add_options_hook(_options_for)
+compile_hook.add_retry_hook(_finish_forms_when_refused)

@@ -2,7 +2,7 @@
 
 Barriers fix the order only if the compiler still sees them when it fuses and
 schedules. Where XLA is known to drop them first (the CPU compiler of jaxlib
-0.10.2 and 0.11.0), `_compat.install_cpu_order_keeper` compiles ordered
+0.10.2 and 0.11.0), the compile hook (`compile_hook.py`) compiles ordered
 modules so that it keeps them; see the README's table "Is the order kept in
 the compiled program?" for every (backend, jax version) pair. What cannot be
 delivered is said once per process with an `OrderNotKeptWarning`.
@@ -16,13 +16,13 @@ import warnings
 import jax
 from jax._src import core
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, compile_hook
 
 #: Set JAX_OVERLAP_KEEP_CPU_ORDER=0 to compile ordered CPU programs as XLA
 #: would by itself (then the order is not kept there, and we warn).
 KEEP_CPU_ORDER_ENV = "JAX_OVERLAP_KEEP_CPU_ORDER"
-_CPU_KEEPER_INSTALLED = (os.environ.get(KEEP_CPU_ORDER_ENV, "1") != "0"
-                         and _compat.install_cpu_order_keeper())
+_CPU_KEEPER_INSTALLED = compile_hook.keep_cpu_order(
+    os.environ.get(KEEP_CPU_ORDER_ENV, "1") != "0")
 _warned: set[str] = set()
 
 

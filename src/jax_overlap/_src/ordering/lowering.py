@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from jax._src.interpreters import mlir
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, compile_hook
 from jax_overlap._src.ordering.barriers import run_in_order
 from jax_overlap._src.ordering.compiled_order import note_ordered_block
 from jax_overlap._src.ordering.primitive import bind, program_order_p
@@ -34,6 +34,7 @@ def _is_high(*avals, call_jaxpr, enforce, **_):
 
 
 def _to_lojax(*args, call_jaxpr, enforce, strict_in, strict_out, excluded):
+  compile_hook.install()   # (lowering: the compile of this module follows)
   if enforce:
     return _ordered_body(call_jaxpr, args, strict_in=strict_in,
                          strict_out=strict_out)
@@ -62,6 +63,8 @@ else:
 def _mlir_lowering(ctx, *args, call_jaxpr, enforce, strict_in, strict_out,
                    excluded):
   del excluded
+  compile_hook.install()
+  compile_hook.mark_owned(ctx.module_context)
   if enforce:
     note_ordered_block(ctx, call_jaxpr)
     lowered = mlir.lower_fun(

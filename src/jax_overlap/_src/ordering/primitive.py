@@ -19,7 +19,8 @@ from jax._src import core
 from jax_overlap._src import _compat
 from jax_overlap._src.eager_shard_map import EagerAwarePrimitive
 
-program_order_p = EagerAwarePrimitive("program_order")
+# In an eager shard_map a block runs as one cached program (eager_shard_map.py).
+program_order_p = EagerAwarePrimitive("program_order", body_param="call_jaxpr")
 program_order_p.multiple_results = True
 # Our inputs are the body's own values: canonicalizing them again at bind
 # would change weak types the body was traced with.
@@ -34,16 +35,6 @@ def _abstract_eval(*avals, call_jaxpr, **_):
 
 
 program_order_p.def_effectful_abstract_eval(_abstract_eval)
-
-
-@program_order_p.def_eager_shard_map
-def _run_eagerly(*args, call_jaxpr, **_):
-  # One primitive at a time is the written order; it lets a future started
-  # in the block be finished after it. Dead code goes first, as when the
-  # block is lowered (which is also where a dropped future is found).
-  n_out = len(_compat.open_jaxpr(call_jaxpr).outvars)
-  body, used = _compat.dce(call_jaxpr, [True] * n_out, instantiate=True)
-  return core.jaxpr_as_fun(body)(*[x for x, u in zip(args, used) if u])
 
 
 def is_free_block(eqn) -> bool:
