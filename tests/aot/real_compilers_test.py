@@ -160,11 +160,22 @@ def _layer(x, p):
   return jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
 
 
-def fsdp_program(t, grad, bucket=False, reshard=True, prefetch=1):
+def fsdp_program(t, grad, bucket=False, reshard=True, prefetch=1,
+                 has_ys=False):
+  """`has_ys`: each layer also returns an aux loss, stacked as lax.scan's ys
+  (fsdp_scan(has_ys=True)), summed into the loss."""
+  def aux_layer(x, w):
+    y = _layer(x, w)
+    return y, jnp.mean(y ** 2)
+
   def loss(x, ps):
-    return jax_overlap.fsdp_scan(_layer, x, ps, axis="x", bucket=bucket,
-                                 reshard_after_forward=reshard,
-                                 prefetch=prefetch).sum()[None]
+    out = jax_overlap.fsdp_scan(aux_layer if has_ys else _layer, x, ps,
+                                axis="x", bucket=bucket,
+                                reshard_after_forward=reshard,
+                                prefetch=prefetch, has_ys=has_ys)
+    if has_ys:
+      return (out[0].sum() + out[1].sum())[None]
+    return out.sum()[None]
   spec = {"a": P(None, "x"), "b": P(None, "x")}
   f = fwd = _smap(t, loss, (P("x"), spec))
   if grad:
@@ -559,6 +570,24 @@ def test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one(name):
   _short("forward", name, got, wanted)
   assert got >= wanted, gathers
   assert not warned, warned
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def test_fsdp_scan_has_ys_keeps_the_windows(name):
+  """Per-layer outputs ride in the carry (fsdp_scan(has_ys=True)): the
+  gathers and reduce-scatters stay in flight as without them."""
+  if OLDER:
+    pytest.skip("jax < 0.12 lowers each future's pair back to back: no "
+                "window to keep (test_fsdp_scan_forward_... says so there)")
+  text, warned = _compile(name, "fsdp", True, False, True, 1, True)
+  gathers = _gathers(text, name)
+  wanted = 2 * (LAYERS - 1) * WEIGHTS - (1 if name.startswith("tpu") else 0)
+  assert sum(w.matmuls >= 1 for w in gathers) >= wanted, gathers
+  if name == "gpu_h100":
+    assert not warned, warned
+    scatters = _scatters(text, name)
+    assert sum(w.matmuls >= 1 for w in scatters) >= (LAYERS - 1) * WEIGHTS, \
+        scatters
 
 
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_h100_2x8"])

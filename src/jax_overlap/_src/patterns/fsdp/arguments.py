@@ -354,6 +354,14 @@ def _local_dims(params, shard_dims, axes):
       n = len(jax.tree.leaves(sub))
       dims += [d] * n
       own += [n == 1 and jax.tree.structure(sub).num_nodes == 1] * n
+  for path, d, p in zip(paths, dims, leaves):
+    if d is not None and (isinstance(d, bool) or not isinstance(d, int)
+                          or not 1 <= d < jnp.ndim(p)):
+      raise ValueError(
+          f"fsdp_scan(shard_dims=...): {d!r} is not a dimension after the "
+          f"layer dimension of leaf {jax.tree_util.keystr(path) or '.'}, of "
+          f"shape {jnp.shape(p)} (give 1 to {jnp.ndim(p) - 1}, or None for a "
+          "leaf kept replicated).")
   # A dim that covers several leaves (one int, a prefix) is for those of them
   # that are sharded; one named for a replicated leaf alone is refused below.
   dims = [None if not mine and _replicated(p, axes) else d
@@ -363,12 +371,6 @@ def _local_dims(params, shard_dims, axes):
     if d is None:
       return None
     where = jax.tree_util.keystr(path) or "(params itself)"
-    if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < jnp.ndim(p):
-      raise ValueError(
-          f"fsdp_scan(shard_dims=...): {d!r} for leaf {where} is not a "
-          f"dimension after the layer dimension of its shape {jnp.shape(p)} "
-          f"(give 1 to {jnp.ndim(p) - 1}, or None for a leaf kept "
-          "replicated).")
     vma = _compat.varying_axes(p)
     over = None if vma is None else vma & set(axes)
     named = axes if len(axes) > 1 else axes[0]
