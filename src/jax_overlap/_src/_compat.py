@@ -365,14 +365,13 @@ from jax._src.interpreters import remat as _remat  # noqa: E402
 #   >= 0.11: (jaxpr, policy, custom_vjp_rules, allow_fwds) -> (fwd, rem, fwds)
 _REMAT_TRACE_HAS_CUSTOM_VJP_RULES = (
     "custom_vjp_rules" in inspect.signature(_remat.RematTrace.__init__).parameters)
-# Only the caller's source tells whether `rem` takes the residuals first.
+# `rem` takes the residuals first where the rule returns them: the jax whose
+# RematTrace takes custom_vjp rules and whose ad has `vjp_node` (0.12), by
+# features, not by reading jax's source (tests/compat_test.py pins it on
+# each version).
 def _remat_rule_returns_residuals() -> bool:
-  try:
-    source = inspect.getsource(_remat.RematTrace.process_primitive)
-  except (OSError, TypeError):  # no source shipped: judge by the other change
-    from jax._src.interpreters import ad  # noqa: PLC0415
-    return _REMAT_TRACE_HAS_CUSTOM_VJP_RULES and hasattr(ad, "vjp_node")
-  return "rem(res," in source.replace(" ", "")
+  from jax._src.interpreters import ad  # noqa: PLC0415
+  return _REMAT_TRACE_HAS_CUSTOM_VJP_RULES and hasattr(ad, "vjp_node")
 
 
 _REMAT_RULE_RETURNS_RESIDUALS = _remat_rule_returns_residuals()
