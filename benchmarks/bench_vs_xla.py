@@ -31,8 +31,8 @@ Every figure but compile time is modelled, not measured.
 
 (`make bench-aot`; `make bench` calls it.) Writes
 benchmarks/results/bench-vs-xla.{md,json}, and, when it writes there, the
-generated parts of docs/bench-vs-xla.md (the tables) and README.md (the
-sentence on them), between their `<!-- bench-vs-xla ... -->` markers.
+generated parts of docs/bench-vs-xla.md (the tables) and docs/benchmarks.md
+(the sentence on them), between their `<!-- bench-vs-xla ... -->` markers.
 """
 
 from __future__ import annotations
@@ -575,7 +575,7 @@ def reinspect(path: pathlib.Path, out: pathlib.Path) -> int:
 
 
 def summary(meta: dict, records: list[dict], checks: list[dict]) -> str:
-  """The README's sentence on the table: fsdp_scan's exposed time against the
+  """docs/benchmarks.md's sentence on the table: fsdp_scan's exposed time against the
   least of the other versions', per target and size, and what did not hold."""
   parts = []
   for target in TARGETS:
@@ -612,14 +612,14 @@ def summary(meta: dict, records: list[dict], checks: list[dict]) -> str:
           "jax's own `program_order`, compiled by the real TPU v5e and H100 compilers "
           "ahead of time and read by the inspector (modelled; "
           f"`{meta['command'].strip()}`, {meta['date'][:10]}): " + "; ".join(parts)
-          + ". The tables and why are in [docs/bench-vs-xla.md](docs/bench-vs-xla.md); "
+          + ". The tables and why are in [bench-vs-xla.md](bench-vs-xla.md); "
           "`make bench-aot` rewrites them and this paragraph.")
 
 
 #: Where `write` puts its tables and sentence in the docs, between markers, so
 #: that one run of the benchmark (`make bench-aot`) brings them up to date.
 DOCS = {ROOT / "docs" / "bench-vs-xla.md": "table",
-        ROOT / "README.md": "summary"}
+        ROOT / "docs" / "benchmarks.md": "summary"}
 _BEGIN = "<!-- bench-vs-xla {}: written by benchmarks/bench_vs_xla.py, do not edit -->"
 _END = "<!-- bench-vs-xla {}: end -->"
 

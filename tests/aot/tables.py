@@ -1,9 +1,10 @@
-"""The README's two real-compiler tables, from real compiles.
+"""The two real-compiler tables of docs/, from real compiles.
 
-"Is the order kept in the compiled program?" (its GPU and TPU rows) and "On the
-real TPU and GPU compilers" (the futures, fsdp_scan and collective matmul on
-each target): every cell is what this script reads in a scheduled module that
-the TPU / GPU compiler of one aot venv made, with that venv's jaxlib, libtpu
+"Is the order kept in the compiled program?" (its GPU and TPU rows, in
+docs/program-order.md) and "On the real TPU and GPU compilers" (the futures,
+fsdp_scan and collective matmul on each target, in docs/compilers.md):
+every cell is what this script reads in a scheduled module that the TPU / GPU
+compiler of one aot venv made, with that venv's jaxlib, libtpu
 and CUDA plugin versions beside it. Run it once per aot venv (each writes its
 cells as JSON), then merge (prints both tables as markdown):
 
@@ -13,7 +14,9 @@ cells as JSON), then merge (prints both tables as markdown):
     done
     python3 tests/aot/tables.py --merge out/aot-cells-*.json > out/aot-tables.md
 
-then paste out/aot-tables.md's two tables into README.md. Each target compiles
+then paste out/aot-tables.md's two tables into docs/: the order kept into
+docs/program-order.md, the futures table into docs/compilers.md (each where
+its comment marks it). Each target compiles
 in a child process of its own (about 1-2 minutes a venv in all), so a compiler
 that crashes costs only its own cells, which then say so. The programs are
 real_compilers_test.py's (the tests check the same things; this script says
