@@ -43,7 +43,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
-from jax_overlap._src import _compat, compile_hook
+from jax_overlap._src import _compat, compile_hook, quirks
 from jax_overlap._src.collectives import not_async
 from jax_overlap._src.collectives import tpu_forms
 from jax_overlap._src.collectives.comm import Comm
@@ -309,7 +309,7 @@ def _sync_on_this_platform(ctx, op) -> bool:
     why = ("an async all-to-all of this buffer crashes the TPU compiler "
            "(SIGSEGV, or 'dimension is tiled', libtpu 0.0.52)")
   elif name == "all-gather" and \
-      _device_kind(ctx) in tpu_forms.SYNC_ALL_GATHER_KINDS:
+      quirks.applies("tpu-sync-all-gather", "tpu", _device_kind(ctx)):
     why = ("the TPU v5p compiler makes every all-gather synchronous "
            "(libtpu 0.0.52); there its async form is N-1 collective-permutes "
            "(permute_forms.py), and before that an all-to-all")

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 from jax._src import traceback_util
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives.comm import Comm, trace_sync
 from jax_overlap._src.collectives.composed import ComposedFuture
 from jax_overlap._src.collectives.future import Future, FutureState
@@ -52,9 +52,8 @@ source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)
 
 #: TPU generations (device_kind) whose all-gathers and reduce-scatters are
-#: started as permutes: v5p ("TPU v5 lite" is v5e, whose all-gather is async
-#: and whose reduce-scatter form, one all-to-all, is kept).
-KINDS = frozenset({"TPU v5"})
+#: started as permutes (quirks.py, "tpu-permute-forms").
+KINDS = quirks.kinds("tpu-permute-forms")
 COLLECTIVES = ("all_gather", "psum_scatter")
 
 #: Test hook: choose the forms on every platform (values are checked on CPU).
@@ -68,7 +67,7 @@ def wanted(name: str) -> bool:
   if FORCE:
     return True
   platform, kind = _compat.trace_device()
-  return platform == "tpu" and kind in KINDS
+  return quirks.applies("tpu-permute-forms", platform, kind)
 
 
 def _one_mesh_axis(axis_name):

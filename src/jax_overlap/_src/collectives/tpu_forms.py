@@ -45,7 +45,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax._src import core
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives import comm as comm_lib
 
 #: Marks the async all-to-all start of a form (its done then runs the form's
@@ -55,7 +55,6 @@ FORM_ATTR = "jax_overlap.tpu_form"
 #: Collectives whose TPU form is used on every TPU, and those only on a TPU
 #: generation (device_kind) that compiles the plain collective synchronous.
 EVERY_TPU = frozenset({"psum_scatter", "psum", "all_to_all"})
-SYNC_ALL_GATHER_KINDS = frozenset({"TPU v5"})  # v5p; "TPU v5 lite" is v5e
 
 
 #: Test hook: choose the forms on every platform (values are checked on CPU).
@@ -67,10 +66,10 @@ def wanted(name: str) -> bool:
   if FORCE:
     return name in EVERY_TPU or name == "all_gather"
   platform, kind = _compat.trace_device()
-  if platform != "tpu":
-    return False
-  return name in EVERY_TPU or (name == "all_gather" and
-                               kind in SYNC_ALL_GATHER_KINDS)
+  if name in EVERY_TPU:
+    return quirks.applies("tpu-collective-forms", platform, kind)
+  return name == "all_gather" and quirks.applies("tpu-sync-all-gather",
+                                                 platform, kind)
 
 
 class Form(NamedTuple):

@@ -21,7 +21,7 @@ themselves (then theirs is kept as given):
   failed to compile with `kExceedsOverlapLimit` on a
   `collective-permute-done` without it).
 
-On TPU v5p (`permute_forms.KINDS`) such a module also gets
+On TPU v5p (quirks.py, "tpu-permute-scheduler") such a module also gets
 `xla_tpu_enable_all_experimental_scheduler_features=True`. Without it libtpu
 0.0.52's latency-hiding scheduler finished some of fsdp_scan's permute
 reduce-scatters before the next step's matmuls, their permutes two at a
@@ -41,7 +41,7 @@ pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
 one async all-to-all in flight (no option raises it), so in a TPU module
 holding several such futures:
 
-* on v5e (`FORMS_IN_FLIGHT_KINDS`), each form's start is tied after the
+* on v5e (quirks.py, "tpu-forms-in-flight"), each form's start is tied after the
   all-to-all finished before it in its block (`lowering.chain_form_starts`):
   lowering ties those it lowers into one block, but jax lowers each step of an
   unrolled scan apart, and untied, libtpu refused fsdp_scan's backward over 4
@@ -74,7 +74,7 @@ from typing import Any
 
 from jax._src.lib.mlir import ir
 
-from jax_overlap._src import _compat, compile_hook
+from jax_overlap._src import _compat, compile_hook, quirks
 from jax_overlap._src.collectives import not_async
 from jax_overlap._src.ordering import gpu_ties
 
@@ -90,7 +90,7 @@ _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 def overlap_options(platform: str, starts: dict[str, int]) -> dict[str, Any]:
   """The options a module with `starts` (kind -> count) gets on `platform`."""
   total = sum(starts.values())
-  if platform in _GPU_PLATFORMS and total > 1:
+  if total > 1 and quirks.applies("gpu-overlap-limit", platform):
     return {GPU_OVERLAP_LIMIT: total}
   options: dict[str, Any] = {}
   if platform == "tpu" and starts.get("all-gather", 0) > 1:
@@ -153,7 +153,7 @@ def _options_for(computation, platform: str, user_options, *,
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
   if platform == "tpu" and _form_count(computation) > 1:
-    if device_kind in FORMS_IN_FLIGHT_KINDS:
+    if quirks.applies("tpu-forms-in-flight", platform, device_kind):
       _chain_forms(computation)
     else:
       _finish_forms_at_once(computation, device_kind)
@@ -167,8 +167,8 @@ def _options_for(computation, platform: str, user_options, *,
     # reduce-scatter of XLA's partitioner in flight (gpu_ties.py).
     starts = {**starts, "fsdp-explicit-step": ties}
   wanted = overlap_options(platform, starts)
-  if (platform == "tpu" and starts.get("collective-permute", 0) > 1
-      and device_kind in _permute_form_kinds()):
+  if (starts.get("collective-permute", 0) > 1
+      and quirks.applies("tpu-permute-scheduler", platform, device_kind)):
     wanted[TPU_EXPERIMENTAL_SCHEDULER] = True
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
@@ -177,20 +177,6 @@ def _options_for(computation, platform: str, user_options, *,
     # with it on).
     wanted[GPU_LATENCY_HIDING] = True
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
-
-
-#: TPU generations (device_kind) on which a module holding several TPU-form
-#: futures compiles with them async (tied one after another): v5e, measured
-#: for fsdp_scan's backward over 2 to 12 layers. On v5p libtpu 0.0.52 aborts
-#: the process on some (fsdp_scan over 2 or 3 layers: "Check failed" in copy
-#: insertion, with or without the ties), so there, and on any generation not
-#: measured, they are finished where they start, as before.
-FORMS_IN_FLIGHT_KINDS = frozenset({"TPU v5 lite"})
-
-
-def _permute_form_kinds() -> frozenset:
-  from jax_overlap._src.collectives import permute_forms  # noqa: PLC0415
-  return permute_forms.KINDS
 
 
 def _explicit_fsdp_ties(computation) -> int:

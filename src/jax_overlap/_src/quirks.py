@@ -1,0 +1,135 @@
+"""Every compiler workaround the library applies, in one table.
+
+Invariant: code that works around a TPU or GPU compiler asks `applies(name,
+platform, device_kind)` here, never matches device kinds itself, and each
+row names the compiler versions it was measured on and the test that pins
+it. The first time a row applies under a compiler version outside its range,
+the library still applies it and warns once, naming the version
+(tests/quirks_test.py). The compiler's version is read at run time from its
+installed package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import warnings
+
+from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning
+
+#: The installed package of each compiler the table names.
+PACKAGES = {"libtpu": "libtpu", "cuda": "jax-cuda12-plugin"}
+_GPU = ("cuda", "rocm", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quirk:
+  name: str
+  platform: str              # "tpu" or "gpu"
+  device_kinds: frozenset | None   # device_kind strings; None: every one
+  compiler: str              # a key of PACKAGES
+  tested: tuple[str, str]    # the versions measured, lowest and highest
+  does: str                  # what the library does, and why
+  test: str                  # the test that pins it
+
+
+def _kinds(*names):
+  return frozenset(names)
+
+
+# "TPU v5 lite" is v5e, "TPU v5" is v5p (their device_kind strings).
+TABLE = (
+    Quirk("tpu-collective-forms", "tpu", None, "libtpu", ("0.0.42.1", "0.0.52"),
+          "psum_scatter_start, psum_start and all_to_all_start start an "
+          "all-to-all (their TPU form): an async reduce-scatter crashes the "
+          "compiler (AsyncCollectiveReplacer) and an async all-reduce is not "
+          "implemented",
+          "tests/aot/real_compilers_test.py::test_the_async_pair_still_crashes_libtpu"),
+    Quirk("tpu-permute-forms", "tpu", _kinds("TPU v5"), "libtpu",
+          ("0.0.52", "0.0.52"),
+          "all_gather_start and psum_scatter_start are N-1 collective-permute "
+          "futures: v5p compiles every all-gather synchronous",
+          "tests/aot/tpu_forms_compiled_test.py"),
+    Quirk("tpu-sync-all-gather", "tpu", _kinds("TPU v5"), "libtpu",
+          ("0.0.52", "0.0.52"),
+          "an all_gather_start with no permute form gets its all-to-all "
+          "form: the plain all-gather compiles synchronous there",
+          "tests/aot/tpu_forms_compiled_test.py"),
+    Quirk("tpu-forms-in-flight", "tpu", _kinds("TPU v5 lite"), "libtpu",
+          ("0.0.52", "0.0.52"),
+          "a module's TPU forms are chained one after another so that one "
+          "all-to-all is in flight at a time (the compiler allows one); "
+          "elsewhere they are finished where they start",
+          "tests/aot/real_compilers_test.py::"
+          "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters"),
+    Quirk("tpu-permute-scheduler", "tpu", _kinds("TPU v5"), "libtpu",
+          ("0.0.52", "0.0.52"),
+          "modules with several permute futures get "
+          "xla_tpu_enable_all_experimental_scheduler_features: without it "
+          "some reduce-scatters finished before the next step's matmuls",
+          "tests/aot/real_compilers_test.py::"
+          "test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu"),
+    Quirk("gpu-overlap-limit", "gpu", None, "cuda", ("0.10.2", "0.12.0.1"),
+          "modules with several futures in flight get "
+          "xla_gpu_experimental_parallel_collective_overlap_limit raised to "
+          "their count: at the default 1 the compile fails "
+          "(kExceedsOverlapLimit)",
+          "tests/aot/real_compilers_test.py::"
+          "test_fsdp_scan_needs_the_raised_overlap_limit_on_h100"),
+)
+_BY_NAME = {q.name: q for q in TABLE}
+
+
+def applies(name: str, platform: str | None, device_kind: str | None = None) -> bool:
+  """Whether quirk `name` applies to a compile for `platform` /
+  `device_kind` (warning once where the compiler's version is untested)."""
+  quirk = _BY_NAME[name]
+  here = "gpu" if platform in _GPU else platform
+  if here != quirk.platform:
+    return False
+  if quirk.device_kinds is not None and device_kind not in quirk.device_kinds:
+    return False
+  _check_version(quirk)
+  return True
+
+
+def kinds(name: str) -> frozenset:
+  """The device kinds quirk `name` is for (empty where it is for every one)."""
+  return _BY_NAME[name].device_kinds or frozenset()
+
+
+@functools.cache
+def compiler_version(compiler: str) -> str | None:
+  """The installed version of `compiler` (a key of PACKAGES), or None."""
+  try:
+    return importlib.metadata.version(PACKAGES[compiler])
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _version_key(version: str) -> tuple:
+  parts = []
+  for p in version.split("."):
+    digits = "".join(c for c in p if c.isdigit())
+    parts.append(int(digits) if digits else 0)
+  return tuple(parts)
+
+
+_warned: set[str] = set()
+
+
+def _check_version(quirk: Quirk) -> None:
+  version = compiler_version(quirk.compiler)
+  if version is None or quirk.name in _warned:
+    return
+  low, high = (_version_key(v) for v in quirk.tested)
+  if low <= _version_key(version) <= high:
+    return
+  _warned.add(quirk.name)
+  warnings.warn(
+      f"jax_overlap: {PACKAGES[quirk.compiler]} {version} is outside the "
+      f"versions its workaround '{quirk.name}' was measured on "
+      f"({quirk.tested[0]} to {quirk.tested[1]}); it is applied all the same "
+      f"({quirk.does}). Check the compiled schedule ({quirk.test} shows how), "
+      "and report what you find.", CollectiveNotAsyncWarning, stacklevel=3)
