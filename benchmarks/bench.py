@@ -280,7 +280,8 @@ def bench_modelled(say) -> dict:
           x, "i", tiled=True) @ w,
   }
   out["collective matmul, 16384 x 8192 @ 8192 x 8192"] = {
-      k: jax_overlap.inspect(smap(f), x, w, schedule="written").to_dict()["totals"]
+      k: jax_overlap.overlap_report(smap(f), schedule="written")(
+          x, w).to_dict()["totals"]
       for k, f in variants.items()}
   say("   collective matmul: modelled")
   return out

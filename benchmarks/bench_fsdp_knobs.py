@@ -23,7 +23,6 @@ import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax_overlap  # noqa: E402
 from jax_overlap._src.demo import model, training  # noqa: E402
 
 #: name -> fsdp_scan's keyword arguments. The demo's step gives fsdp_scan
@@ -76,21 +75,27 @@ def _ends_outside(fsdp_scan):
 
 def measure(kwargs, layers: int, hardware: str):
   """The report's totals and the compiled step's temp bytes."""
-  plain, inspect = jax_overlap.fsdp_scan, jax_overlap.inspect
+  # The demo imports both from these modules at each call (not from the
+  # public package), so they are replaced there.
+  from jax_overlap._src.inspection import api  # noqa: PLC0415
+  from jax_overlap._src.patterns.fsdp import scan  # noqa: PLC0415
+  plain, overlap_report = scan.fsdp_scan, api.overlap_report
   temp = []
 
-  def inspect_and_measure(fn, *args, **kw):
-    if not temp:   # the first step inspected is fsdp_scan's
-      compiled = fn.lower(*args).compile()
-      temp.append(compiled.memory_analysis().temp_size_in_bytes)
-    return inspect(fn, *args, **kw)
+  def report_and_measure(fn, **options):
+    def report(*args, **kw):
+      if not temp:   # the first step reported is fsdp_scan's
+        compiled = fn.lower(*args, **kw).compile()
+        temp.append(compiled.memory_analysis().temp_size_in_bytes)
+      return overlap_report(fn, **options)(*args, **kw)
+    return report
   kwargs = dict(kwargs)
   run = _ends_outside(plain) if kwargs.pop(ENDS_OUTSIDE, False) else plain
   from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
   split = use_order.ENABLED
   use_order.ENABLED = not kwargs.pop(WHOLE_ENDS, False)
-  jax_overlap.fsdp_scan = functools.partial(run, **kwargs)
-  jax_overlap.inspect = inspect_and_measure
+  scan.fsdp_scan = functools.partial(run, **kwargs)
+  api.overlap_report = report_and_measure
   try:
     opts = training.Options(layers=layers, hardware=hardware)
     cfg = model.Config(vocab=32, layers=layers)   # as benchmarks/bench.py
@@ -98,7 +103,7 @@ def measure(kwargs, layers: int, hardware: str):
     report = training.overlap_reports(cfg, opts,
                                       optax.adamw(3e-3))["fsdp_scan"]
   finally:
-    jax_overlap.fsdp_scan, jax_overlap.inspect = plain, inspect
+    scan.fsdp_scan, api.overlap_report = plain, overlap_report
     use_order.ENABLED = split
   return report.totals, temp[0]
 

@@ -162,8 +162,8 @@ def child(target: str, variant: str, pass_: str, out_dir: str) -> None:
     fn, args = program(variant, pass_, _mesh(target))
     t0 = time.perf_counter()
     if target == "cpu":
-      report = jax_overlap.inspect(fn, *args, hardware=PROFILE[target],
-                                   schedule="written")
+      report = jax_overlap.overlap_report(fn, hardware=PROFILE[target],
+                                          schedule="written")(*args)
       rec["schedule"] = "as written (traced for 8 CPU devices)"
     else:
       text = jax.jit(fn).lower(*args).compile().as_text()

@@ -24,6 +24,7 @@ import pathlib
 import sys
 import time
 import traceback
+import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -267,29 +268,47 @@ def _expert_parallel(context, mesh, checks):
   _close("value and grads", got, want, checks, rtol=1e-4)
 
 
-def _inspect(context, mesh, checks):
-  def local(w, x):
-    @jo.program_order(enforce=True)      # decorated while inspect traces
-    def ordered(w, x):
-      fut = jo.all_gather_start(w, AXIS, tiled=True)
-      y = x @ x.T                        # written while the gather runs
-      return (y @ (x @ fut.done()))[:1]
-    return ordered(w, x)
-  step = _shard_map(context, mesh, local, in_specs=(P(AXIS), P()),
-                    out_specs=P(AXIS))
-  w, x = _x((64, 8)), _x((8, 64), 3)
-  with _context(context, mesh):
-    args = _put(mesh, w, P(AXIS)), _put(mesh, x, P())
-    written = jo.inspect(step, *args)                            # first call
-    compiled = jo.inspect(step, *args, schedule="compiled")
-    value = jax.jit(step)(*args)
-  assert written.schedule == "written", written.schedule
-  assert [c.kind for c in written.collectives] == ["all-gather"], written
-  assert [c.kind for c in compiled.collectives] == ["all-gather"], compiled
-  assert written.written[0].overlapped, written.written
-  checks.append("report")
-  row = (x @ x.T @ x @ w)[:1]
-  _close("value", value, np.concatenate([row] * 8), checks, rtol=1e-4)
+def _report_case(first_call):
+  """A case whose first call is `first_call(step, args)`: the written
+  report of an ordered step, then its compiled one."""
+  def run(context, mesh, checks):
+    def local(w, x):
+      @jo.program_order(enforce=True)    # decorated while the report traces
+      def ordered(w, x):
+        fut = jo.all_gather_start(w, AXIS, tiled=True)
+        y = x @ x.T                      # written while the gather runs
+        return (y @ (x @ fut.done()))[:1]
+      return ordered(w, x)
+    step = _shard_map(context, mesh, local, in_specs=(P(AXIS), P()),
+                      out_specs=P(AXIS))
+    w, x = _x((64, 8)), _x((8, 64), 3)
+    with _context(context, mesh):
+      args = _put(mesh, w, P(AXIS)), _put(mesh, x, P())
+      written = first_call(step, args, checks)                  # first call
+      compiled = jo.overlap_report(step, schedule="compiled")(*args)
+      value = jax.jit(step)(*args)
+    assert written.schedule == "written", written.schedule
+    assert [c.kind for c in written.collectives] == ["all-gather"], written
+    assert [c.kind for c in compiled.collectives] == ["all-gather"], compiled
+    assert written.written[0].overlapped, written.written
+    checks.append("report")
+    row = (x @ x.T @ x @ w)[:1]
+    _close("value", value, np.concatenate([row] * 8), checks, rtol=1e-4)
+  return run
+
+
+def _deprecated_inspect(step, args, checks):
+  # The alias kept one release: the same report, and a DeprecationWarning.
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    report = jo.inspect(step, *args)
+  ours = [str(w.message) for w in caught if w.category is DeprecationWarning
+          and "jax_overlap.inspect(" in str(w.message)]
+  assert len(ours) == 1, [str(w.message) for w in caught]
+  assert "overlap_report(fn, hardware=..., schedule=...)(*args)" in ours[0]
+  assert report.to_dict() == jo.overlap_report(step)(*args).to_dict()
+  checks.append("deprecated alias warns, same report")
+  return report
 
 
 def _measure(context, mesh, checks):
@@ -300,7 +319,7 @@ def _measure(context, mesh, checks):
   w, x = _x((64, 8)), _x((16, 64), 5)
   with _context(context, mesh):
     args = _put(mesh, w, P(AXIS)), _put(mesh, x, P(AXIS))
-    report = jo.measure(step, *args, steps=2, warmup=1)         # first call
+    report = jo.measure(step, steps=2, warmup=1)(*args)         # first call
     value = jax.jit(step)(*args)
   found = [r for r in report.to_dict()["measured"] if r["kind"] == "all-gather"]
   assert sorted(r["device"] for r in found) == list(range(8)), found
@@ -340,7 +359,9 @@ ENTRIES = {
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),
     "expert_parallel": (_expert_parallel, CONTEXTS),
-    "inspect": (_inspect, CONTEXTS),
+    "overlap_report": (_report_case(
+        lambda step, args, checks: jo.overlap_report(step)(*args)), CONTEXTS),
+    "inspect": (_report_case(_deprecated_inspect), CONTEXTS),
     "measure": (_measure, CONTEXTS),
     "cli": (_cli, ("none",)),
 }

@@ -41,7 +41,8 @@ ARGS = (jnp.ones((64, 32)), jnp.ones((32, 32)), jnp.ones((64, 32)))
 
 
 def test_cpu_makes_the_pair_blocking_and_the_written_window_is_reported():
-  report = jo.inspect(_prefetch_layer(_mesh(8)), *ARGS, schedule="compiled")
+  report = jo.overlap_report(_prefetch_layer(_mesh(8)),
+                             schedule="compiled")(*ARGS)
   (c,) = report.collectives
   assert (c.kind, c.is_async, c.made_blocking, c.overlapped) == (
       "all-gather", False, True, [])
@@ -90,8 +91,8 @@ def test_every_future_kind(name):
     y = w @ w
     return fut.done() + y[0, 0]
 
-  report = jo.inspect(f, jnp.ones((16, 4)), jnp.ones((4, 4)),
-                      schedule="compiled")
+  report = jo.overlap_report(f, schedule="compiled")(jnp.ones((16, 4)),
+                                                     jnp.ones((4, 4)))
   (c,) = [c for c in report.collectives if c.kind == kind]
   assert c.made_blocking and not c.is_async
   (w,) = report.written
@@ -107,7 +108,7 @@ def test_a_plain_collective_is_blocking_but_not_made_so():
   def f(x):
     return jax.lax.psum(x, "d")
 
-  report = jo.inspect(f, jnp.ones((8, 4)))
+  report = jo.overlap_report(f)(jnp.ones((8, 4)))
   (c,) = report.collectives
   assert (c.kind, c.is_async, c.made_blocking) == ("all-reduce", False, False)
   assert c.flags[0] == "blocking"
@@ -125,8 +126,8 @@ def test_a_future_in_a_scan_body():
       return carry + fut.done()[0, 0], None
     return jax.lax.scan(body, w, xs)[0]
 
-  report = jo.inspect(f, jnp.ones((8, 4, 4)), jnp.ones((4, 4)),
-                      schedule="compiled")
+  report = jo.overlap_report(f, schedule="compiled")(jnp.ones((8, 4, 4)),
+                                                     jnp.ones((4, 4)))
   (c,) = report.collectives
   assert c.kind == "all-reduce" and c.made_blocking
   assert (c.trip_count, c.runs) == (4, 4)
@@ -142,7 +143,7 @@ def test_hardware_and_keyword_arguments():
     return jax.shard_map(lambda v: jax.lax.psum(v * scale, "d"), mesh=mesh,
                          in_specs=P("d"), out_specs=P())(x)
 
-  report = jo.inspect(f, jnp.ones((8,)), scale=2.0, hardware="tpu-v5e")
+  report = jo.overlap_report(f, hardware="tpu-v5e")(jnp.ones((8,)), scale=2.0)
   assert report.hardware.name == "tpu-v5e"
   assert report.collectives[0].group_size == 2
 
@@ -177,7 +178,7 @@ def test_xla_cost_analysis_of_one_instruction():
                   for s in module.computations[c].instructions)]
   flops = sorted(costs(i, entry)[0] for i in dots)
   assert flops == [2 * 8 * 32 * 32, 2 * 8 * 32 * 64]
-  report = jo.inspect(_prefetch_layer(mesh), *ARGS, schedule="compiled")
+  report = jo.overlap_report(_prefetch_layer(mesh), schedule="compiled")(*ARGS)
   assert report.cost_source == xla_cost.LABEL
 
 
@@ -191,5 +192,5 @@ def test_a_jitted_function_keeps_its_static_arguments():
       x = psum(x)
     return x
 
-  report = jo.inspect(jax.jit(f, static_argnums=1), jnp.ones((8,)), 3)
+  report = jo.overlap_report(jax.jit(f, static_argnums=1))(jnp.ones((8,)), 3)
   assert [c.kind for c in report.collectives] == ["all-reduce"] * 3

@@ -53,7 +53,8 @@ def _check_where(records):
 
 
 def test_forward_prefetches_in_the_scan_body_name_the_users_line():
-  report = jo.inspect(jax.jit(_fsdp_model()), X, PARAMS, schedule="written")
+  report = jo.overlap_report(jax.jit(_fsdp_model()),
+                             schedule="written")(X, PARAMS)
   in_body = [c for c in report.collectives if c.computation != "main"]
   assert in_body, "the scan body prefetches the next layer"
   for record in report.collectives:
@@ -70,7 +71,7 @@ def test_gradient_records_name_their_leaf_written_and_compiled(bucket):
   model = _fsdp_model(bucket)
   leaves = LEAVES if bucket else PER_LEAF
   step = jax.jit(jax.grad(lambda x, p: model(x, p).sum(), 1))
-  written = jo.inspect(step, X, PARAMS, schedule="written")
+  written = jo.overlap_report(step, schedule="written")(X, PARAMS)
   kinds = {(c.kind, c.leaf) for c in written.collectives}
   named = GROUPS if bucket else PER_LEAF
   assert {(k, leaf) for k in ("all-gather", "reduce-scatter")
@@ -78,7 +79,7 @@ def test_gradient_records_name_their_leaf_written_and_compiled(bucket):
               (k, leaf) for k in ("all-gather", "reduce-scatter")
               for leaf in named}, kinds
   assert all(c.where == FSDP_LINE for c in written.collectives)
-  compiled = jo.inspect(step, X, PARAMS, schedule="compiled")
+  compiled = jo.overlap_report(step, schedule="compiled")(X, PARAMS)
   assert compiled.collectives
   assert leaves <= {c.leaf for c in compiled.collectives} <= named  # op_name
   _check_where(compiled.collectives)
@@ -99,10 +100,11 @@ def test_collective_matmul_records_name_what_the_ring_moves():
     return matmul_reduce_scatter(jnp.tanh(h), w2, "d")
 
   args = (jnp.ones((16, 8)), jnp.ones((8, 16)) / 8, jnp.ones((16, 8)) / 16)
-  forward = jo.inspect(mlp, *args, schedule="written")
+  forward = jo.overlap_report(mlp, schedule="written")(*args)
   assert {c.leaf for c in forward.collectives} == {"x", "x @ w"}
-  grad = jo.inspect(jax.jit(jax.grad(lambda *a: mlp(*a).sum(), (0, 1, 2))),
-                    *args, schedule="written")
+  grad = jo.overlap_report(
+      jax.jit(jax.grad(lambda *a: mlp(*a).sum(), (0, 1, 2))),
+      schedule="written")(*args)
   assert {c.leaf for c in grad.collectives} == {"x", "x @ w", "dy", "dy @ w.T"}
   for c in forward.collectives + grad.collectives:
     assert c.kind == "collective-permute"

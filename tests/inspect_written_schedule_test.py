@@ -82,8 +82,8 @@ def _prefetch(mesh, asynchronous: bool):
                                                    "compute>comm"])
 def test_a_future_hides_behind_the_matmul_written_inside(n, rows):
   args = (_sds(K, K), _sds(rows, K), _sds(K, K))
-  report = jo.inspect(_prefetch(_mesh(n), True), *args, hardware="h100",
-                      schedule="written")
+  report = jo.overlap_report(_prefetch(_mesh(n), True), hardware="h100",
+                             schedule="written")(*args)
   assert report.schedule == "written"
   (c,) = report.collectives
   assert (c.kind, c.is_async, c.made_blocking, c.group_size, c.bytes) == (
@@ -104,8 +104,8 @@ def test_a_future_hides_behind_the_matmul_written_inside(n, rows):
 @pytest.mark.parametrize("n", [2, 8])
 def test_a_synchronous_all_gather_is_all_exposed(n):
   args = (_sds(K, K), _sds(16384, K), _sds(K, K))
-  report = jo.inspect(_prefetch(_mesh(n), False), *args, hardware="h100",
-                      schedule="written")
+  report = jo.overlap_report(_prefetch(_mesh(n), False), hardware="h100",
+                             schedule="written")(*args)
   (c,) = report.collectives
   assert (c.kind, c.is_async, c.group_size) == ("all-gather", False, n)
   assert c.flags[0] == "blocking" and c.start == c.done
@@ -165,7 +165,7 @@ def fsdp_reports(layer_0_whole):
   reports = {}
   for layers in (4, 8):
     step, args = _training_step(layers, fsdp=True)
-    reports[layers] = jo.inspect(step, *args, schedule="written")
+    reports[layers] = jo.overlap_report(step, schedule="written")(*args)
   return reports
 
 
@@ -235,7 +235,8 @@ def test_fsdp_forward_alone_runs_inside_its_custom_vjp(layer_0_whole):
     return jo.fsdp_scan(_mlp_layer, x, params, axis=AXIS)
 
   params = {"w1": _sds(layers, D, H), "w2": _sds(layers, H, D)}
-  report = jo.inspect(model, _sds(8 * BATCH, D), params, schedule="written")
+  report = jo.overlap_report(model, schedule="written")(_sds(8 * BATCH, D),
+                                                        params)
   assert {c.kind for c in report.collectives} == {"all-gather"}
   bare = [c for c in report.collectives if "overlaps nothing" in c.flags]
   assert len(bare) == 1 and all(c.runs == 1 for c in bare)
@@ -247,7 +248,7 @@ def test_fsdp_forward_alone_runs_inside_its_custom_vjp(layer_0_whole):
 def test_plain_scan_with_synchronous_gathers_exposes_everything():
   layers = 8
   step, args = _training_step(layers, fsdp=False)
-  report = jo.inspect(step, *args, schedule="written")
+  report = jo.overlap_report(step, schedule="written")(*args)
   assert {c.kind for c in report.collectives} == {
       "all-gather", "all-reduce", "reduce-scatter"}
   assert all(not c.is_async for c in report.collectives)
@@ -270,7 +271,7 @@ def test_default_on_cpu_is_the_written_schedule_when_there_are_futures():
   if jax.default_backend() != "cpu":
     pytest.skip("the default differs where the backend keeps async pairs")
   step, args = _small_prefetch()
-  report = jo.inspect(step, *args)
+  report = jo.overlap_report(step)(*args)
   assert report.schedule == "written"
   assert report.collectives[0].is_async
   assert report.collectives[0].overlapped == ["dot_general.1"]
@@ -283,7 +284,7 @@ def test_default_on_cpu_is_the_written_schedule_when_there_are_futures():
   assert data["schedule"] == "written"
   assert data["written"][0]["overlapped"] == ["dot_general f32[8,32]"]
 
-  compiled = jo.inspect(step, *args, schedule="compiled")
+  compiled = jo.overlap_report(step, schedule="compiled")(*args)
   assert compiled.schedule == "compiled"
   assert compiled.to_dict()["schedule"] == "compiled"
   (c,) = compiled.collectives
@@ -299,14 +300,14 @@ def test_default_without_futures_is_the_compiled_schedule():
   def f(x):
     return lax.psum(x, AXIS)
 
-  report = jo.inspect(f, jnp.ones((8, 4)))
+  report = jo.overlap_report(f)(jnp.ones((8, 4)))
   assert report.schedule == "compiled"
   assert report.collectives[0].flags[0] == "blocking"
 
 
 def test_table_timeline_and_trace_say_which_schedule(tmp_path):
   step, args = _small_prefetch()
-  report = jo.inspect(step, *args, schedule="written")
+  report = jo.overlap_report(step, schedule="written")(*args)
   text = report.table()     # str() is the summary now
   assert "Collectives in the written schedule (times modelled on h100" in text
   assert "Totals of the written schedule, modelled on h100" in text
@@ -329,10 +330,10 @@ def test_table_timeline_and_trace_say_which_schedule(tmp_path):
 
 
 def test_bad_schedule_is_refused():
-  step, args = _small_prefetch()
-  with pytest.raises(ValueError, match=r"inspect\(schedule=...\) must be "
-                     r"'compiled', 'written' or None .*got 'as written'"):
-    jo.inspect(step, *args, schedule="as written")
+  step, _ = _small_prefetch()
+  with pytest.raises(ValueError, match=r"overlap_report\(schedule=...\) must "
+                     r"be 'compiled', 'written' or None .*got 'as written'"):
+    jo.overlap_report(step, schedule="as written")   # at once, before args
 
 
 # --- control flow ---------------------------------------------------------------------
@@ -347,7 +348,8 @@ def test_a_cond_is_modelled_by_its_costliest_branch():
     y = lax.cond(flag > 0, lambda x: x @ x, lambda x: x + 1.0, x)
     return y[:1] + fut.done()[:1]
 
-  report = jo.inspect(step, _sds(K, K), _sds(K, K), _sds(), schedule="written")
+  report = jo.overlap_report(step, schedule="written")(_sds(K, K), _sds(K, K),
+                                                       _sds())
   (c,) = report.collectives
   assert "dot_general.1" in c.overlapped and "add.1" not in c.overlapped
   assert any("has 2 branches; the costliest (branch 1) is modelled" in n
@@ -380,7 +382,7 @@ def test_calls_run_inline_and_long_scans_cost_three_iterations():
     y, _ = lax.scan(body, y, None, length=trip)
     return (y @ w)[:1]
 
-  report = jo.inspect(f, _sds(K, K), _sds(K, K), schedule="written")
+  report = jo.overlap_report(f, schedule="written")(_sds(K, K), _sds(K, K))
   gather, psum = report.collectives
   assert gather.overlapped[0] == "dot_general.1" and gather.runs == 1
   assert (psum.kind, psum.runs, psum.trip_count) == ("all-reduce", trip, trip)
@@ -402,8 +404,8 @@ def test_a_while_loop_of_unknown_trip_count_runs_once():
       return i + 1, lax.psum(y, AXIS) * y
     return lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
 
-  report = jo.inspect(f, _sds(8, 4), jax.ShapeDtypeStruct((), jnp.int32),
-                      schedule="written")
+  report = jo.overlap_report(f, schedule="written")(
+      _sds(8, 4), jax.ShapeDtypeStruct((), jnp.int32))
   (c,) = report.collectives
   assert (c.kind, c.runs, c.trip_count) == ("all-reduce", 1, None)
   assert "trip count unknown (modelled as 1)" in c.flags
@@ -431,8 +433,8 @@ def test_a_future_carried_across_scan_iterations():
     (x, fut), _ = lax.scan(body, (x, fut), ws[1:])
     return x + fut.done().sum()
 
-  report = jo.inspect(f, _sds(trip + 1, 64, 64), _sds(64, 64),
-                      schedule="written")
+  report = jo.overlap_report(f, schedule="written")(_sds(trip + 1, 64, 64),
+                                                    _sds(64, 64))
   got = [(c.kind, c.computation == "main", c.runs, c.spans_iteration)
          for c in report.collectives]
   assert got == [("reduce-scatter", True, 1, True),     # before -> first

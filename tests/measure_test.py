@@ -56,7 +56,7 @@ def cpu_capture(tmp_path_factory):
   step = _step(_mesh(8))
   args = jnp.ones((16, 16)), jnp.ones((16, 16))
   where = tmp_path_factory.mktemp("profile")
-  report = jo.measure(step, *args, steps=3, profile_dir=where)
+  report = jo.measure(step, steps=3, profile_dir=where)(*args)
   return report, step.lower(*args).compile().as_text(), where
 
 

@@ -429,14 +429,15 @@ MISUSES = [
      lambda: _moe(fn=lambda p, t: jnp.sum(t @ p)), ValueError,
      r"expert_parallel\(expert_fn=\.\.\.\) must return one row per token, "
      r"\[C, D'\], for tokens \[C, D\]"),
-    # --- inspect -----------------------------------------------------------------------
-    ("inspect-not-callable", "inspect(3, x)",
-     lambda: jo.inspect(3, X), TypeError, r"inspect\(fn=\.\.\.\) must be a function"),
-    ("inspect-schedule", "inspect(..., schedule='fast')",
-     lambda: jo.inspect(body, X, schedule="fast"), ValueError,
-     r"inspect\(schedule=\.\.\.\) must be 'compiled', 'written' or None"),
+    # --- overlap_report (inspect) ------------------------------------------------------
+    ("inspect-not-callable", "overlap_report(3)",
+     lambda: jo.overlap_report(3), TypeError,
+     r"overlap_report\(fn=\.\.\.\) must be a function"),
+    ("inspect-schedule", "overlap_report(f, schedule='fast')",
+     lambda: jo.overlap_report(body, schedule="fast"), ValueError,
+     r"overlap_report\(schedule=\.\.\.\) must be 'compiled', 'written' or None"),
     ("inspect-hardware", "an unknown hardware profile",
-     lambda: jo.inspect(body, X, hardware="tpu-v99"), jo.HardwareProfileError,
+     lambda: jo.overlap_report(body, hardware="tpu-v99"), jo.HardwareProfileError,
      r"tpu-v99"),
     ("hlo-malformed", "a truncated HLO dump",
      lambda: jo.OverlapReport.from_hlo(
@@ -444,11 +445,11 @@ MISUSES = [
          "  %p = f32[4]{0} parameter(0"),
      jo.HloParseError, r"<text>:3: this instruction is not finished when the text ends"),
     # --- measure -----------------------------------------------------------------------
-    ("measure-steps", "measure(f, x, steps=0)",
-     lambda: jo.measure(body, X, steps=0), ValueError,
+    ("measure-steps", "measure(f, steps=0)",
+     lambda: jo.measure(body, steps=0), ValueError,
      r"measure\(steps=\.\.\.\) must be an int >= 1"),
-    ("measure-not-callable", "measure(3, x)",
-     lambda: jo.measure(3, X), TypeError, r"measure\(fn=\.\.\.\) must be a function"),
+    ("measure-not-callable", "measure(3)",
+     lambda: jo.measure(3), TypeError, r"measure\(fn=\.\.\.\) must be a function"),
     ("profile-missing", "a profile path that does not exist",
      lambda: jo.MeasuredReport.from_profile("/nonexistent/run"),
      jo.ProfileReadError, r"no such file or directory: '/nonexistent/run'"),

@@ -221,7 +221,7 @@ def test_done_twice_and_never_finished_name_the_future():
 
 def test_the_written_schedule_counts_it():
   operand, output, tables = _inputs(2, 1, seed=1)
-  report = jo.inspect(_smap(_mesh(2), _ours), operand, output, *tables,
-                      schedule="written")
+  report = jo.overlap_report(_smap(_mesh(2), _ours), schedule="written")(
+      operand, output, *tables)
   assert "1 collective in the written schedule" in str(report), str(report)
   assert "ragged-all-to-all ragged_all_to_all_start" in str(report)

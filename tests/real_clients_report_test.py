@@ -58,11 +58,11 @@ def test_inspect_and_measure_take_an_nnx_jit_train_step():
 
   mesh = _mesh()
   x, y = _batch(mesh, (8, 4)), _batch(mesh, (8, 2))
-  report = jo.inspect(train_step, model, opt, x, y)   # was AttributeError
+  report = jo.overlap_report(train_step)(model, opt, x, y)  # was AttributeError
   assert report.schedule == "compiled"
   # The batch is sharded: XLA sums the replicated weights' gradients.
   assert "all-reduce" in {c.kind for c in report.collectives}, report.table()
-  written = jo.inspect(train_step, model, opt, x, y, schedule="written")
+  written = jo.overlap_report(train_step, schedule="written")(model, opt, x, y)
   assert written.schedule == "written"
 
 
@@ -87,18 +87,19 @@ def eqx_step():
 
 def test_inspect_and_measure_keep_eqx_filter_jit(eqx_step):
   jitted, _, model, x = eqx_step
-  report = jo.inspect(jitted, model, x)   # was: jax.jit traced `activation`
+  # was: jax.jit traced `activation`
+  report = jo.overlap_report(jitted)(model, x)
   assert "all-reduce" in {c.kind for c in report.collectives}, report.table()
-  measured = jo.measure(jitted, model, x, steps=1, warmup=0)
+  measured = jo.measure(jitted, steps=1, warmup=0)(model, x)
   assert {r.kind for r in measured.measured} >= {"all-reduce"}
 
 
 def test_a_plain_function_of_a_module_names_the_argument(eqx_step):
   _, plain, model, x = eqx_step
-  for run in (jo.inspect, jo.measure):
+  for run in (jo.overlap_report, jo.measure):
     with pytest.raises(TypeError, match=r"args\[0\]\.activation is a .*not an "
                        r"array.*eqx\.filter_jit\(fn\)"):
-      run(plain, model, x)
+      run(plain)(model, x)
 
 
 # --- item 10: the fsdp_scan step's report -------------------------------------------
@@ -123,7 +124,7 @@ def fsdp_step():
     return jax.value_and_grad(loss, argnums=(0, 1))(ws, head, x)
 
   args = (jnp.full((2, 8, 8), 0.1), jnp.ones((8, 4)), jnp.ones((16, 8)))
-  return step, args, jo.inspect(step, *args)
+  return step, args, jo.overlap_report(step)(*args)
 
 
 def test_autodiff_all_reduce_is_not_told_to_use_psum_start(fsdp_step):
@@ -156,7 +157,7 @@ def test_transposed_future_pairs_with_its_own_done():
   def step(w, x):
     return jax.value_and_grad(loss)(w, x)
 
-  report = jo.inspect(step, jnp.ones((8, 8)), jnp.ones((16, 8)))
+  report = jo.overlap_report(step)(jnp.ones((8, 8)), jnp.ones((16, 8)))
   scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
   assert scatters, report.table()
   for c in scatters:
@@ -168,9 +169,9 @@ def test_transposed_future_pairs_with_its_own_done():
 
 def test_measured_rows_name_source_line_and_leaf_as_inspect_does(fsdp_step):
   step, args, _ = fsdp_step
-  compiled = jo.inspect(step, *args, schedule="compiled")
+  compiled = jo.overlap_report(step, schedule="compiled")(*args)
   by_name = {c.start: c for c in compiled.collectives}
-  measured = jo.measure(step, *args, steps=1, warmup=0)
+  measured = jo.measure(step, steps=1, warmup=0)(*args)
   assert measured.measured
   for r in measured.measured:
     c = by_name[r.name]

@@ -14,6 +14,9 @@ from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as Orde
 from jax_overlap._src.ordering.decorator import program_order as program_order
 from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
 # Seeing the overlap: the report, its cost model and hardware profiles.
+from jax_overlap._src.inspection.api import overlap_report as overlap_report
+# Deprecated alias of overlap_report, kept one release; not in __all__, so a
+# star import does not shadow the standard library's `inspect`.
 from jax_overlap._src.inspection.api import inspect as inspect
 from jax_overlap._src.inspection.measured.measure import measure as measure
 from jax_overlap._src.inspection.measured.measured_report import MeasuredReport as MeasuredReport
@@ -45,8 +48,8 @@ __all__ = [
     "all_gather_start",
     "all_to_all_start",
     "fsdp_scan",
-    "inspect",
     "measure",
+    "overlap_report",
     "ppermute_start",
     "program_order",
     "psum_scatter_start",

@@ -190,7 +190,7 @@ def sample(cfg, params, corpus, prompt: str, n: int) -> str:
 def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
   """The overlap report of the training step, ours and the plain scan's, at
   `opts.report_width` (traced from shapes alone: nothing is allocated)."""
-  from jax_overlap._src.inspection.api import inspect  # noqa: PLC0415
+  from jax_overlap._src.inspection.api import overlap_report  # noqa: PLC0415
   if opts.report_width:
     cfg = dataclasses.replace(cfg, d=opts.report_width,
                               hidden=4 * opts.report_width,
@@ -209,9 +209,9 @@ def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32,
                                 sharding=NamedSharding(mesh, P(AXIS)))
   ours, plain = losses_for(cfg, mesh, param_specs)
-  return {name: inspect(train_step_for(loss, optimizer), params,
-                                    opt_state, tokens, tokens,
-                                    hardware=opts.hardware)
+  return {name: overlap_report(train_step_for(loss, optimizer),
+                              hardware=opts.hardware)(
+                                  params, opt_state, tokens, tokens)
           for name, loss in (("fsdp_scan", ours), ("plain scan", plain))}
 
 
@@ -237,8 +237,7 @@ def measured_line(train_step, params, opt_state, batch) -> str:
   """One line: the trained step measured under jax's profiler (2 steps), as
   device means, beside the modelled line above."""
   from jax_overlap._src.inspection.measured.measure import measure  # noqa: PLC0415
-  report = measure(train_step, params, opt_state, *batch, steps=2,
-                               warmup=0)
+  report = measure(train_step, steps=2, warmup=0)(params, opt_state, *batch)
   totals = list(report.totals.values())
   if not totals or not any(t["comm_s"] for t in totals):
     return "   Measured (jax.profiler, 2 steps): no collective events found."
