@@ -79,6 +79,19 @@ collective_start_p.def_impl(_start_eagerly)
 collective_start_p.def_eager_shard_map(_start_eagerly)
 collective_done_p.def_impl(_done_eagerly)
 collective_done_p.def_eager_shard_map(_done_eagerly)
+# A block's cached program (eager_shard_map.py) stands in for the start's
+# eager rule: the new future is watched all the same.
+collective_start_p.def_replay(lambda comm: comm.state.watch())
+
+
+def _comm_key(key, comm):
+  # Everything but the future's state, which is new at every trace.
+  return (comm.name, key(comm.jaxpr), key(comm.tpu_form),
+          key(comm.cpu_jaxpr), comm.sync_note)
+
+
+collective_start_p.def_cache_key(_comm_key)
+collective_done_p.def_cache_key(_comm_key)
 
 
 def start(comm: Comm, x, *aux):
