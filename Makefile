@@ -163,7 +163,7 @@ demo: $(call stamp,$(NEWEST))
 bench: $(foreach v,$(JAX_VERSIONS),bench-jax$(v)) bench-aot bench-moe
 
 # Writes benchmarks/results/bench-vs-xla.{md,json} and the generated parts of
-# docs/bench-vs-xla.md and README.md; one compile a process (46 min on 2 busy cores).
+# docs/bench-vs-xla.md and docs/benchmarks.md; one compile a process (46 min on 2 busy cores).
 .PHONY: bench-aot
 bench-aot: $(AOT_VENV)/.installed
 	PYTHONPATH=$(CURDIR)/src $(AOT_VENV)/bin/python benchmarks/bench_vs_xla.py $(BENCH_AOT_ARGS)

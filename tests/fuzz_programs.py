@@ -8,7 +8,7 @@ or jax's own) and our futures, or with the decorator replaced by the
 identity and every future by the synchronous `jax.lax` collective.
 
 `contract_counts` is an independent count of the barriers and tokens the
-README's contract ("Where barriers go in an ordered block") puts in a traced
+docs/program-order.md's contract ("Where barriers go in an ordered block") puts in a traced
 program; `stablehlo_counts` reads the same numbers from lowered StableHLO
 text. Neither calls the library's barrier code.
 
@@ -779,7 +779,7 @@ class Counts(NamedTuple):
 
 
 def contract_counts(closed_jaxpr) -> Counts:
-  """Barriers and tokens the lowered program holds, by the README's contract.
+  """Barriers and tokens the lowered program holds, by docs/program-order.md's contract.
 
   Counted from the traced jaxpr, each nested jaxpr as many times as it is
   lowered inline (a jit called twice: twice). Besides the contract's
@@ -872,7 +872,7 @@ def _steps(body):
 
 
 def _ordered_body(body, strict_in: bool, strict_out: bool) -> Counts:
-  """The README's rules, between each pair of consecutive equations."""
+  """docs/program-order.md's rules, between each pair of consecutive equations."""
   body = _open(body)
   barriers = tokens = 0
   if strict_in and body.invars:

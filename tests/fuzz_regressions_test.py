@@ -506,7 +506,7 @@ def test_symbolic_zero_tangent_block_is_dead_in_jvp():
 # --- open ------------------------------------------------------------------------------
 
 # An equation whose inputs are all literals (jnp.full: broadcast_in_dim of
-# 2.0) after another: the README's contract ("B with no non-literal input")
+# 2.0) after another: docs/program-order.md's contract ("B with no non-literal input")
 # ties it to a token, jax's own program_order only an equation with no input
 # at all, so ours lowers one token more than jax's (barriers are equal).
 LITERAL_FED_EQUATION = Program(
@@ -524,8 +524,8 @@ LITERAL_FED_EQUATION = Program(
 @needs_jax_oracle
 @pytest.mark.xfail(strict=True, reason=(
     "token counts differ from jax's own program_order: ours ties a token to "
-    "an equation whose inputs are all literals (the README's contract), jax's "
-    "only to one with no inputs; the README also promises jax's counts"))
+    "an equation whose inputs are all literals (docs/program-order.md's contract), jax's "
+    "only to one with no inputs; docs/program-order.md also promises jax's counts"))
 def test_literal_fed_equation_token_count_matches_jax():
   ours, _ = _counts(LITERAL_FED_EQUATION)
   theirs, _ = _counts(LITERAL_FED_EQUATION, po=jax_program_order)
@@ -584,7 +584,7 @@ def test_remat3_checkpoint_in_ordered_body_values():
 # the block's equation makes a new one per output, so a value used
 # nonlinearly both through the block and beside it is saved twice for the
 # backward pass (jax's own program_order does the same). Returning the
-# caller's variable would change which barriers the README's contract puts
+# caller's variable would change which barriers docs/program-order.md's contract puts
 # around the block (and differ from jax's own): a design question.
 RETURNS_ITS_INPUT = Program(
     inputs=((4,), (4,)), sharded=False, remat3=False,

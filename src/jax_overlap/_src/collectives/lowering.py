@@ -316,7 +316,7 @@ def _sync_on_this_platform(ctx, op) -> bool:
   if why is None:
     return False
   not_async.warn_future_lowered_sync("tpu", name, why + (
-      "; its async TPU form (an all-to-all, see the README's 'On the real TPU "
+      "; its async TPU form (an all-to-all, see docs/compilers.md, 'On the real TPU "
       "and GPU compilers') "
       "needs one mesh axis name, a shard_map over a mesh of TPU devices, and "
       "a split dimension the axis size divides (not under vmap, nor as the "

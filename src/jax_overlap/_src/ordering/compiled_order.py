@@ -3,7 +3,7 @@
 Barriers fix the order only if the compiler still sees them when it fuses and
 schedules. Where XLA is known to drop them first (the CPU compiler of jaxlib
 0.10.2 and 0.11.0), the compile hook (`compile_hook.py`) compiles ordered
-modules so that it keeps them; see the README's table "Is the order kept in
+modules so that it keeps them; see docs/program-order.md's table "Is the order kept in
 the compiled program?" for every (backend, jax version) pair. What cannot be
 delivered is said once per process with an `OrderNotKeptWarning`.
 """

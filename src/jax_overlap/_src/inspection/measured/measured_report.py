@@ -50,7 +50,7 @@ class MeasuredRecord:
 class MeasuredReport:
   """Measured overlap from a profile, beside the modelled report.
 
-  Made by `jax_overlap.measure(fn, *args)` (runs `fn` under the profiler) or
+  Made by `jax_overlap.measure(fn)(*args)` (runs `fn` under the profiler) or
   `MeasuredReport.from_profile(path)` (an `.xplane.pb`, or the directory
   `jax.profiler.trace` wrote). `print(report)` shows a table.
 

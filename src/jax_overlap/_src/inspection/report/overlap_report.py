@@ -26,7 +26,7 @@ class OverlapReport:
   """What each collective of a program overlapped, with modelled times: its
   exposed communication and what a perfect schedule would save.
 
-  Made by `jax_overlap.inspect(fn, *args)` (a live compile, or the schedule
+  Made by `jax_overlap.overlap_report(fn)(*args)` (a live compile, or the schedule
   as written in the traced program) or `OverlapReport.from_hlo(text_or_path)`
   (a dump). `print(report)` shows a summary with what to change,
   `report.table()` every collective; `to_dict`/`to_json` give the fields; `save_timeline` draws a PNG and

@@ -139,8 +139,8 @@ def hints_for(report) -> list[str]:
                   f"backend (first: {c.start}{_at(c)}): they expose "
                   f"{format_seconds(sum(b.exposed_s for b in blocked))}; "
                   "keep the future but check the backend's async flags, or see "
-                  "what the written order would give (inspect(..., "
-                  "schedule='written'))"))
+                  "what the written order would give (overlap_report(fn, "
+                  "schedule='written')(*args))"))
   plain = [c for c in collectives if not c.is_async and not c.made_blocking
            and c.exposed_s > 0 and c.kind in _FUTURE]
   # What autodiff wrote cannot be made a future where it stands.

@@ -62,13 +62,13 @@ def argument_errors(fn, args, kwargs, caller: str):
     text = repr(leaf)
     text = text if len(text) <= 80 else text[:77] + "..."
     raise TypeError(
-        f"{caller}(fn, *args): {where} is a {type(leaf).__name__} ({text}), "
+        f"{caller}(fn)(*args): {where} is a {type(leaf).__name__} ({text}), "
         f"not an array, and fn={getattr(fn, '__name__', fn)!r} is not "
         f"jitted, so {caller} wrapped it in jax.jit, which traces every "
         "argument. Pass fn jitted with that argument held static: "
         "eqx.filter_jit(fn) for an equinox module, nnx.jit(fn) for a flax "
-        "nnx one, or jax.jit(fn, static_argnums=...); inspect and measure "
-        "take any jitted function with .trace or .lower as it is.") from e
+        "nnx one, or jax.jit(fn, static_argnums=...); overlap_report and "
+        "measure take any jitted function with .trace or .lower as it is.") from e
 
 
 def stage(fn, args, kwargs, caller: str) -> Staged:
