@@ -553,16 +553,22 @@ def _compile_cpu_barrier_probe() -> bool:
   return len(compute) < 2
 
 
-def _holds_loop(computation) -> bool:
+def holds_op(computation, name: str) -> bool:
+  """Whether the MLIR module `computation` holds an op named `name`
+  (the walk stops at the first)."""
   found = []
 
   def visit(op):
-    if op.name == "stablehlo.while":
+    if op.name == name:
       found.append(op)
       return ir.WalkResult.INTERRUPT
     return ir.WalkResult.ADVANCE
   computation.operation.walk(visit)
   return bool(found)
+
+
+def _holds_loop(computation) -> bool:
+  return holds_op(computation, "stablehlo.while")
 
 
 # --- varying manual axes ------------------------------------------------------

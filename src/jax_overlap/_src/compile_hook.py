@@ -75,15 +75,7 @@ def owns(computation) -> bool:
     return False
   if OWNED_MODULE_ATTR in attributes or _compat.ORDERED_MODULE_ATTR in attributes:
     return True
-  found = []
-
-  def visit(op):
-    if op.name == "stablehlo.optimization_barrier":
-      found.append(op)
-      return ir.WalkResult.INTERRUPT
-    return ir.WalkResult.ADVANCE
-  computation.operation.walk(visit)
-  return bool(found)
+  return _compat.holds_op(computation, "stablehlo.optimization_barrier")
 
 
 def installed() -> bool:
