@@ -324,23 +324,26 @@ def _sync_on_this_platform(ctx, op) -> bool:
   return True
 
 
-def _collective_op(y):
+def _defining_op(y):
+  """The operation that makes `y`, or None for a block argument."""
   owner = y.owner
   if isinstance(owner, ir.Block):
     return None
-  op = owner.operation if hasattr(owner, "operation") else owner
-  if op.name not in _ASYNC_NAME or len(op.results) != 1:
+  return owner.operation if hasattr(owner, "operation") else owner
+
+
+def _collective_op(y):
+  op = _defining_op(y)
+  if op is None or op.name not in _ASYNC_NAME or len(op.results) != 1:
     return None
   return op
 
 
 def _ragged_op(y):
   """The `ragged_all_to_all` custom call `y` comes from, or None."""
-  owner = y.owner
-  if isinstance(owner, ir.Block):
-    return None
-  op = owner.operation if hasattr(owner, "operation") else owner
-  if op.name == "stablehlo.custom_call" and _target(op) == "ragged_all_to_all":
+  op = _defining_op(y)
+  if (op is not None and op.name == "stablehlo.custom_call"
+      and _target(op) == "ragged_all_to_all"):
     return op
   return None
 

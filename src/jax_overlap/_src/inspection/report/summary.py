@@ -161,20 +161,13 @@ def hints_for(report) -> list[str]:
                   f"{format_seconds(sum(p.exposed_s for p in plain))} (largest:"
                   f" {c.start}{_at(c)}): use jax_overlap.{_FUTURE[c.kind]} and "
                   "call .done() where the value is first needed"))
-  for first in [] if forced else _first_exposed(report):
-    found.append((first.exposed_s,
-                  f"the first {first.kind} of {first.computation} "
-                  f"({first.start}{_at(first)}) overlaps nothing and exposes "
-                  f"{format_seconds(first.exposed_s)}: start it during the "
-                  "compute before it (the embedding, or the previous step's "
-                  "update)"))
-  for last in [] if forced else _last_exposed(report):
-    found.append((last.exposed_s,
-                  f"the last {last.kind} of {last.computation} "
-                  f"({last.start}{_at(last)}) overlaps nothing and exposes "
-                  f"{format_seconds(last.exposed_s)}: finish it later, during "
-                  "compute that does not need it (the optimizer update of "
-                  "other leaves)"))
+  if not forced:
+    found += [_exposed_end("first", c, "start it during the compute before "
+                           "it (the embedding, or the previous step's update)")
+              for c in _first_exposed(report)]
+    found += [_exposed_end("last", c, "finish it later, during compute that "
+                           "does not need it (the optimizer update of other "
+                           "leaves)") for c in _last_exposed(report)]
   queued = [c for c in collectives
             if c.queued_behind and c.exposed_s > c.comm_s * 1.001]
   if queued and not forced:
@@ -200,6 +193,15 @@ def hints_for(report) -> list[str]:
                  "more needs independent work beside the transfers, or fewer "
                  "or larger ones")
   return hints
+
+
+def _exposed_end(which: str, c, advice: str):
+  """A finding for the `which` ("first" or "last") collective of its
+  computation, which overlaps nothing."""
+  return (c.exposed_s,
+          f"the {which} {c.kind} of {c.computation} ({c.start}{_at(c)}) "
+          f"overlaps nothing and exposes {format_seconds(c.exposed_s)}: "
+          + advice)
 
 
 def _first_exposed(report):

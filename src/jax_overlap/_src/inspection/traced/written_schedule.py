@@ -48,31 +48,31 @@ from jax_overlap._src.inspection.reading.shapes import Shape
 COST_LABEL = "shapes in the traced program"
 ENTRY = "main"
 
+def _by_primitive(kinds: dict[str, str]) -> dict[str, str]:
+  """{HLO collective: "primitive primitive ..."} as {primitive: collective}."""
+  return {p: kind for kind, names in kinds.items() for p in names.split()}
+
+
 #: jax.lax collectives, run synchronously, by the HLO collective they are.
-SYNC_COLLECTIVES = {
-    "psum": "all-reduce", "psum_invariant": "all-reduce",
-    "pmax": "all-reduce", "pmin": "all-reduce",
-    "unreduced_psum": "all-reduce", "unreduced_pmax": "all-reduce",
-    "unreduced_pmin": "all-reduce",
-    "all_gather": "all-gather", "all_gather_invariant": "all-gather",
-    "all_gather_reduced": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "unreduced_reduce_scatter": "reduce-scatter",
-    "all_to_all": "all-to-all", "ragged_all_to_all": "ragged-all-to-all",
-    "ppermute": "collective-permute",
-    "pbroadcast": "collective-broadcast",
-    "pbroadcast_dynamic": "collective-broadcast",
-}
+SYNC_COLLECTIVES = _by_primitive({
+    "all-reduce": "psum psum_invariant pmax pmin unreduced_psum "
+                  "unreduced_pmax unreduced_pmin",
+    "all-gather": "all_gather all_gather_invariant all_gather_reduced",
+    "reduce-scatter": "reduce_scatter unreduced_reduce_scatter",
+    "all-to-all": "all_to_all",
+    "ragged-all-to-all": "ragged_all_to_all",
+    "collective-permute": "ppermute",
+    "collective-broadcast": "pbroadcast pbroadcast_dynamic",
+})
 #: jax's own async collectives: a start whose result a done takes.
-JAX_ASYNC_STARTS = {
-    "all_gather_start": "all-gather", "all_gather_reduced_start": "all-gather",
-    "psum_start": "all-reduce", "psum_invariant_start": "all-reduce",
-    "unreduced_psum_start": "all-reduce",
-    "reduce_scatter_start": "reduce-scatter",
-    "unreduced_reduce_scatter_start": "reduce-scatter",
-    "all_to_all_start": "all-to-all", "ppermute_start": "collective-permute",
-    "pbroadcast_start": "collective-broadcast",
-}
+JAX_ASYNC_STARTS = _by_primitive({
+    "all-gather": "all_gather_start all_gather_reduced_start",
+    "all-reduce": "psum_start psum_invariant_start unreduced_psum_start",
+    "reduce-scatter": "reduce_scatter_start unreduced_reduce_scatter_start",
+    "all-to-all": "all_to_all_start",
+    "collective-permute": "ppermute_start",
+    "collective-broadcast": "pbroadcast_start",
+})
 JAX_ASYNC_DONES = {
     "all_gather_done": "all-gather", "psum_done": "all-reduce",
     "reduce_scatter_done": "reduce-scatter", "all_to_all_done": "all-to-all",

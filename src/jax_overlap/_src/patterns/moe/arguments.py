@@ -39,6 +39,12 @@ def _shape(a) -> tuple:
   return tuple(np.shape(a))
 
 
+def _check_dtype(arg: str, value, kind, what: str) -> None:
+  dtype = jnp.result_type(value)
+  if not jnp.issubdtype(dtype, kind):
+    raise TypeError(f"{NAME}({arg}=...) must be {what}, got dtype {dtype}.")
+
+
 def check_call(expert_fn, x, expert_ids, weights, expert_params, *, axis,
                capacity, chunks) -> Call:
   if not callable(expert_fn):
@@ -58,20 +64,16 @@ def check_call(expert_fn, x, expert_ids, weights, expert_params, *, axis,
         f"{NAME}(expert_ids=...) must be [T, k], each token's chosen experts, "
         f"with T = {tokens} as in x (shape {_shape(x)}); got shape "
         f"{_shape(expert_ids)}.")
-  if not jnp.issubdtype(jnp.result_type(expert_ids), jnp.integer):
-    raise TypeError(
-        f"{NAME}(expert_ids=...) must be integers (expert indices), got dtype "
-        f"{jnp.result_type(expert_ids)}.")
+  _check_dtype("expert_ids", expert_ids, jnp.integer,
+               "integers (expert indices)")
   k = _shape(expert_ids)[1]
   if _shape(weights) != _shape(expert_ids):
     raise ValueError(
         f"{NAME}(weights=...) must have the shape of expert_ids, [T, k] = "
         f"{_shape(expert_ids)}: one combine weight per chosen expert; got "
         f"shape {_shape(weights)}.")
-  if not jnp.issubdtype(jnp.result_type(weights), jnp.floating):
-    raise TypeError(
-        f"{NAME}(weights=...) must be floating point (combine weights), got "
-        f"dtype {jnp.result_type(weights)}.")
+  _check_dtype("weights", weights, jnp.floating,
+               "floating point (combine weights)")
   experts_local = _experts_local(expert_params)
   _check_params_vary(expert_params, axis, size, experts_local)
   chunks = _chunks(chunks, tokens)
