@@ -1,0 +1,82 @@
+"""Each schedule's order of actions on each device, as the literature gives it.
+
+The order is all a schedule is; `plan.py` places the actions on ticks by
+their dependencies. `send_ticks` (ticks a stage-to-stage send is in flight)
+lengthens the warm-ups so that the steady state does not stall: in 1F1B a
+microbatch's round trip from stage d back to stage d is then
+`2 (p-1-d) (1+send_ticks) + 1` ticks. Pinned by pipeline_schedule_test.py.
+"""
+
+from __future__ import annotations
+
+from jax_overlap._src.patterns.pipeline.actions import B, F, I, Action
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def check_arguments(schedule: str, p: int, m: int, v: int) -> None:
+  """Raises ValueError naming the argument for an unsupported (p, m, v)."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}.")
+  for name, val in (("stages", p), ("microbatches", m), ("virtual_stages", v)):
+    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+      raise ValueError(f"{name}={val!r}: expected a positive int.")
+  if p < 2:
+    raise ValueError(f"stages={p}: a pipeline needs at least 2 stages (devices "
+                     "along the axis); with one, call the stages in a loop.")
+  if schedule == "interleaved":
+    if v < 2:
+      raise ValueError("schedule='interleaved' needs virtual_stages >= 2 (got "
+                       f"{v}); with one chunk a device it is '1f1b'.")
+    if m % p:
+      raise ValueError(f"schedule='interleaved' needs microbatches to be a "
+                       f"multiple of stages: got microbatches={m}, stages={p}.")
+  elif v != 1:
+    raise ValueError(f"schedule={schedule!r} runs one chunk a device: got "
+                     f"virtual_stages={v}; use schedule='interleaved'.")
+  if schedule != "gpipe" and m < p:
+    raise ValueError(f"schedule={schedule!r} needs microbatches >= stages (got "
+                     f"microbatches={m}, stages={p}): with fewer, stage 0 "
+                     "never reaches the steady state; use 'gpipe' or more "
+                     "microbatches.")
+
+
+def orders(schedule: str, p: int, m: int, v: int,
+           send_ticks: int = 0) -> list[list[Action]]:
+  """Device d's actions in the order it runs them (zb-h1: its F and I only;
+  plan.py places each W)."""
+  if schedule == "gpipe":
+    return [[Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)]
+            for _ in range(p)]
+  if schedule in ("1f1b", "zb-h1"):
+    back = I if schedule == "zb-h1" else B
+    return [_one_f_one_b(m, min(m, (p - 1 - d) * (1 + send_ticks)), back)
+            for d in range(p)]
+  return [_interleaved(p, m, v, d, send_ticks) for d in range(p)]
+
+
+def _one_f_one_b(m: int, warmup: int, back: str) -> list[Action]:
+  order = [Action(F, i) for i in range(warmup)]
+  for i in range(m - warmup):
+    order += [Action(F, warmup + i), Action(back, i)]
+  return order + [Action(back, i) for i in range(m - warmup, m)]
+
+
+def _interleaved(p: int, m: int, v: int, d: int, send_ticks: int) -> list[Action]:
+  """Megatron's order: microbatches in groups of p, each group through every
+  chunk in turn; backward chunks in reverse."""
+  total = v * m
+
+  def forward(k):
+    return Action(F, (k // (p * v)) * p + k % p, (k // p) % v)
+
+  def backward(k):
+    return Action(B, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+  # Megatron's warm-up, with the wrap from the last device back to device 0
+  # (a group of p microbatches a chunk) lengthened by the sends in flight.
+  warmup = min(total, (p - d - 1) * 2 + (v - 1) * p * (1 + send_ticks))
+  order = [forward(k) for k in range(warmup)]
+  for k in range(total - warmup):
+    order += [forward(warmup + k), backward(k)]
+  return order + [backward(k) for k in range(total - warmup, total)]

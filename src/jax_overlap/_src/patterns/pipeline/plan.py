@@ -1,0 +1,216 @@
+"""`PipelinePlan`: a schedule as a table of actions, one a tick and device.
+
+The planner places each device's order (orders.py) on ticks: an action runs
+at the first tick its inputs are there, a stage-to-stage send arriving
+`send_ticks` ticks after the tick that made it. Zero-bubble's W's are placed
+here: a device runs a pending W where its next F or I cannot run, or where an
+F would hold more activations than 1F1B's stage 0 (so the peak stays
+1F1B's).
+`simulate` times the same orders under other costs. Pinned by
+tests/patterns/pipeline/pipeline_schedule_test.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import NamedTuple, Sequence
+
+from jax_overlap._src.patterns.pipeline import orders as _orders
+from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, Action,
+                                                       device_chunk,
+                                                       global_stage)
+
+
+class Simulation(NamedTuple):
+  """What `PipelinePlan.simulate` returns."""
+  makespan: float
+  bubble_fraction: float          # idle time over makespan * stages
+  peak_activations: tuple[int, ...]  # per device: most microbatches live at once
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+  """A pipeline schedule: `table[t][d]` is device d's `Action` at tick t, or
+  None (idle).
+
+  Example:
+    >>> import jax_overlap
+    >>> plan = jax_overlap.pipeline_schedule("1f1b", stages=2, microbatches=3)
+    >>> print(plan)
+    tick  stage 0  stage 1
+       0  F0       .
+       1  F1       F0
+       2  .        B0
+       3  B0       F1
+       4  F2       B1
+       5  B1       F2
+       6  .        B2
+       7  B2       .
+    >>> plan.simulate().bubble_fraction   # (p-1)/(m+p-1)
+    0.25
+  """
+  schedule: str
+  stages: int
+  microbatches: int
+  virtual_stages: int
+  send_ticks: int
+  table: tuple[tuple[Action | None, ...], ...]
+
+  @property
+  def ticks(self) -> int:
+    return len(self.table)
+
+  def device_orders(self) -> list[list[tuple[int, Action]]]:
+    """Per device, its (tick, action) in tick order."""
+    return [[(t, row[d]) for t, row in enumerate(self.table) if row[d]]
+            for d in range(self.stages)]
+
+  def __str__(self):
+    cols = [f"stage {d}" for d in range(self.stages)]
+    cells = [[str(a) if a else "." for a in row] for row in self.table]
+    width = max([len(c) for c in cols] + [len(c) for r in cells for c in r])
+    lines = ["tick  " + "  ".join(c.ljust(width) for c in cols).rstrip()]
+    for t, row in enumerate(cells):
+      lines.append(f"{t:4d}  " + "  ".join(c.ljust(width) for c in row).rstrip())
+    return "\n".join(lines)
+
+  def simulate(self, forward: float = 1.0, backward_input: float = 1.0,
+               backward_weight: float = 1.0, send: float | None = None
+               ) -> Simulation:
+    """Times each device's actions, in the table's order, under these costs
+    (B costs backward_input + backward_weight; `send` is a stage-to-stage
+    transfer's time, `send_ticks` by default). Returns the makespan, the
+    bubble fraction and each device's peak live activations (a microbatch's
+    activations on a chunk are live from its F's start to the end of its B,
+    or of its W)."""
+    send = float(self.send_ticks) if send is None else send
+    cost = {F: forward, B: backward_input + backward_weight,
+            I: backward_input, W: backward_weight}
+    finish: dict = {}
+    free = [0.0] * self.stages
+    busy = [0.0] * self.stages
+    spans = [dict() for _ in range(self.stages)]
+    for t, row in enumerate(self.table):
+      for d, a in enumerate(row):
+        if a is None:
+          continue
+        start = free[d]
+        for key, dev in _deps(a, d, self.stages, self.virtual_stages):
+          start = max(start, finish[key] + (send if dev != d else 0.0))
+        end = start + cost[a.kind]
+        finish[_key(a, d, self.stages)] = end
+        free[d] = end
+        busy[d] += cost[a.kind]
+        span = spans[d].setdefault((a.microbatch, a.chunk), [start, end])
+        if a.kind in (B, W):
+          span[1] = end
+    makespan = max(free)
+    bubble = 1.0 - sum(busy) / (makespan * self.stages)
+    return Simulation(makespan, bubble, tuple(_peak(s.values()) for s in spans))
+
+
+def _key(a: Action, d: int, p: int):
+  kind = "grad" if a.kind in (B, I) else a.kind
+  return kind, a.microbatch, global_stage(d, a.chunk, p)
+
+
+def _deps(a: Action, d: int, p: int, v: int):
+  """(key, device) of what `a` waits for."""
+  g = global_stage(d, a.chunk, p)
+  if a.kind == F:
+    return [] if g == 0 else [(("F", a.microbatch, g - 1), device_chunk(g - 1, p)[0])]
+  if a.kind == W:
+    return [(("grad", a.microbatch, g), d)]
+  deps = [(("F", a.microbatch, g), d)]
+  if g < p * v - 1:
+    deps.append((("grad", a.microbatch, g + 1), device_chunk(g + 1, p)[0]))
+  return deps
+
+
+def _peak(spans) -> int:
+  events = sorted([(e, -1) for _, e in spans] + [(s, 1) for s, _ in spans])
+  live = peak = 0
+  for _, step in events:
+    live += step
+    peak = max(peak, live)
+  return peak
+
+
+def place(schedule: str, p: int, m: int, v: int, send_ticks: int) -> PipelinePlan:
+  """Places the schedule's orders on ticks (see the module docstring)."""
+  order = _orders.orders(schedule, p, m, v, send_ticks)
+  zero_bubble = schedule == "zb-h1"
+  # zb-h1 keeps every device's live activations under 1F1B's peak, stage 0's
+  # (Qi et al. count memory as the pipeline's peak, not each stage's).
+  cap = min(m, (p - 1) * (1 + send_ticks) + 1)
+  done_at: dict = {}
+  pointer = [0] * p
+  pending_w: list[deque] = [deque() for _ in range(p)]
+  live = [0] * p
+  todo = sum(len(o) for o in order) + (m * p if zero_bubble else 0)
+  table = []
+  limit = 8 * (todo + p * (send_ticks + 2))
+  while todo:
+    t = len(table)
+    if t > limit:
+      raise AssertionError(f"{schedule}: no progress placing ({p}, {m}, {v})")
+    row: list[Action | None] = [None] * p
+    for d in range(p):
+      nxt = order[d][pointer[d]] if pointer[d] < len(order[d]) else None
+      can = nxt is not None and all(
+          key in done_at and done_at[key] + 1 + (send_ticks if dev != d else 0) <= t
+          for key, dev in _deps(nxt, d, p, v))
+      if can and zero_bubble and nxt.kind == F and live[d] >= cap:
+        can = False
+      if can:
+        row[d] = nxt
+        pointer[d] += 1
+      elif zero_bubble and pending_w[d]:
+        row[d] = pending_w[d].popleft()
+    for d, a in enumerate(row):
+      if a is None:
+        continue
+      todo -= 1
+      done_at[_key(a, d, p)] = t
+      if zero_bubble:
+        live[d] += {F: 1, W: -1}.get(a.kind, 0)
+        if a.kind == I:
+          pending_w[d].append(Action(W, a.microbatch, a.chunk))
+    table.append(tuple(row))
+  return PipelinePlan(schedule, p, m, v, send_ticks, tuple(table))
+
+
+def pipeline_schedule(schedule: str, stages: int, microbatches: int,
+                      virtual_stages: int = 1, *, send_ticks: int = 0
+                      ) -> PipelinePlan:
+  """The table of a pipeline schedule: for each tick and stage, the action.
+
+  Args:
+    schedule: "gpipe", "1f1b", "interleaved" (Megatron's 1F1B over
+      `virtual_stages` chunks a device) or "zb-h1" (zero bubble: the backward
+      split into its input gradient I and weight gradient W, each W run later
+      to fill the bubbles).
+    stages: p, devices along the pipeline axis (at least 2).
+    microbatches: m.
+    virtual_stages: v, chunks a device; global stage `j*p + d` is chunk j of
+      device d.
+    send_ticks: ticks a stage-to-stage send is in flight; 0 gives the
+      literature's tables, 1 is what `pipeline_loss` runs (each send in
+      flight while the next tick computes).
+
+  Returns:
+    A `PipelinePlan`: `print` it; `.simulate(forward=, backward_input=,
+    backward_weight=)` gives `bubble_fraction` and `peak_activations`.
+
+  Example:
+    >>> import jax_overlap
+    >>> plan = jax_overlap.pipeline_schedule("gpipe", 4, 8)
+    >>> sim = plan.simulate()
+    >>> round(sim.bubble_fraction, 4), sim.peak_activations
+    (0.2727, (8, 8, 8, 8))
+  """
+  _orders.check_arguments(schedule, stages, microbatches, virtual_stages)
+  if not isinstance(send_ticks, int) or send_ticks < 0:
+    raise ValueError(f"send_ticks={send_ticks!r}: expected an int >= 0.")
+  return place(schedule, stages, microbatches, virtual_stages, send_ticks)

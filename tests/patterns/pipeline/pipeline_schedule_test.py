@@ -1,0 +1,120 @@
+"""pipeline_schedule: the tables' invariants, their bubble and memory."""
+
+import itertools
+
+import pytest
+
+import jax_overlap._src.patterns.pipeline.plan as plan_lib
+from jax_overlap._src.patterns.pipeline.actions import B, F, I, W, global_stage
+
+pipeline_schedule = plan_lib.pipeline_schedule
+
+
+def _cases():
+  for p, k, send in itertools.product((2, 3, 4), (1, 2, 3), (0, 1)):
+    m = k * p
+    yield "gpipe", p, m, 1, send
+    yield "1f1b", p, m, 1, send
+    yield "zb-h1", p, m, 1, send
+    for v in (2, 3):
+      yield "interleaved", p, m, v, send
+
+
+CASES = list(_cases())
+
+
+def _placed(plan):
+  """(kind, microbatch, global stage) -> (tick, device)."""
+  at = {}
+  for t, row in enumerate(plan.table):
+    for d, a in enumerate(row):
+      if a is not None:
+        key = (a.kind, a.microbatch, global_stage(d, a.chunk, plan.stages))
+        assert key not in at, f"{key} twice"
+        at[key] = (t, d)
+  return at
+
+
+@pytest.mark.parametrize("schedule,p,m,v,send", CASES)
+def test_every_action_once_and_after_its_inputs(schedule, p, m, v, send):
+  plan = pipeline_schedule(schedule, p, m, v, send_ticks=send)
+  at = _placed(plan)
+  stages = p * v
+  back = I if schedule == "zb-h1" else B
+  kinds = (F, I, W) if schedule == "zb-h1" else (F, B)
+  assert len(at) == len(kinds) * m * stages
+  for i, g in itertools.product(range(m), range(stages)):
+    tf, df = at[F, i, g]
+    tb, db = at[back, i, g]
+    assert df == db == g % p
+    assert tf < tb                                   # F before its B / I
+    if schedule == "zb-h1":
+      assert at[W, i, g][0] > tb and at[W, i, g][1] == db   # I before W
+    if g > 0:                                        # F after the stage before
+      assert at[F, i, g - 1][0] + 1 + send <= tf
+    if g < stages - 1:                               # B after the stage after
+      assert at[back, i, g + 1][0] + 1 + send <= tb
+
+
+@pytest.mark.parametrize("p,k", list(itertools.product((2, 3, 4, 8), (1, 2, 3, 4))))
+def test_bubble_fractions_are_the_literatures(p, k):
+  m = k * p
+  for schedule in ("gpipe", "1f1b"):
+    sim = pipeline_schedule(schedule, p, m).simulate()
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+  for v in (2, 3, 4):
+    sim = pipeline_schedule("interleaved", p, m, v).simulate()
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+  zb = pipeline_schedule("zb-h1", p, m).simulate().bubble_fraction
+  assert zb <= (p - 1) / (3 * m + p - 1) + 1e-12
+  assert zb < pipeline_schedule("1f1b", p, m).simulate().bubble_fraction
+
+
+@pytest.mark.parametrize("p,m", [(2, 6), (4, 4), (4, 8), (4, 12), (8, 16)])
+def test_peak_activations(p, m):
+  one_f_one_b = pipeline_schedule("1f1b", p, m).simulate().peak_activations
+  assert one_f_one_b == tuple(p - d for d in range(p))
+  assert pipeline_schedule("gpipe", p, m).simulate().peak_activations == (m,) * p
+  assert max(pipeline_schedule("zb-h1", p, m).simulate().peak_activations) <= p
+
+
+def test_simulate_other_costs():
+  # GPipe's and 1F1B's bubble does not depend on the F/B ratio.
+  for schedule in ("gpipe", "1f1b"):
+    sim = pipeline_schedule(schedule, 4, 8).simulate(1.0, 2.0, 0.5)
+    assert sim.bubble_fraction == pytest.approx(3 / 11)
+    assert sim.makespan == pytest.approx(11 * 3.5)
+  # zb-h1 with a send as long as a forward: slower than without.
+  plan = pipeline_schedule("zb-h1", 4, 8)
+  assert plan.simulate(send=1.0).makespan > plan.simulate().makespan
+
+
+def test_print_is_a_table():
+  text = str(pipeline_schedule("1f1b", 2, 3))
+  assert text.splitlines() == [
+      "tick  stage 0  stage 1",
+      "   0  F0       .",
+      "   1  F1       F0",
+      "   2  .        B0",
+      "   3  B0       F1",
+      "   4  F2       B1",
+      "   5  B1       F2",
+      "   6  .        B2",
+      "   7  B2       .",
+  ]
+  assert "I0" in str(pipeline_schedule("zb-h1", 2, 2))
+  assert "F0.1" in str(pipeline_schedule("interleaved", 2, 2, 2))
+
+
+@pytest.mark.parametrize("args,match", [
+    (("pipedream", 2, 2), "schedule='pipedream'"),
+    (("1f1b", 1, 2), "stages=1"),
+    (("1f1b", 4, 2), "microbatches >= stages"),
+    (("interleaved", 2, 3, 2), "multiple of stages"),
+    (("interleaved", 2, 4, 1), "virtual_stages >= 2"),
+    (("1f1b", 2, 4, 2), "use schedule='interleaved'"),
+    (("gpipe", 2, 0), "microbatches=0"),
+])
+def test_unsupported_arguments(args, match):
+  with pytest.raises(ValueError, match=match):
+    pipeline_schedule(*args)
