@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_overlap._src import _compat
+from jax_overlap._src import _compat, eager_shard_map
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
@@ -201,6 +201,13 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     >>> [g.shape for g in jax.grad(loss, argnums=(0, 1))(table, ws, tokens)]
     [(5, 8), (3, 8, 8)]
   """
+  if eager_shard_map.in_eager_shard_map():
+    # An eager shard_map compiles each primitive anew at every call; the whole
+    # scan runs there as one cached program (tests/real_clients_eager_test.py).
+    settings = {k: v for k, v in locals().items()
+                if k not in ("layer", "x", "params")}
+    return eager_shard_map.run_as_one(
+        lambda x, params: fsdp_scan(layer, x, params, **settings), x, params)
   if not callable(layer):
     raise TypeError(f"fsdp_scan(layer=...) must be a function "
                     f"layer(x, layer_params) -> x, got {layer!r}.")
