@@ -1,0 +1,13 @@
+"""Context parallelism: attention over a sequence sharded along a mesh axis.
+
+* `kernel.py`: the blockwise math (an online softmax in float32, its
+  backward), for one block of queries against one block of keys.
+* `layout.py`: which global chunks of the sequence each device holds
+  (contiguous or zigzag), and the reordering helpers.
+* `plan.py`: which (query chunk, key chunk) pairs each ring step computes;
+  a causal pair that is fully masked is not in the plan.
+* `ring.py`: `ring_attention`, the key/value rotation as `ppermute_start`
+  futures each in flight over one step's blocks, forward and backward.
+* `ulysses.py`: `ulysses_attention`, two all-to-alls around attention on
+  the whole sequence and a slice of the heads.
+"""

@@ -1,0 +1,303 @@
+"""`ring_attention`: the keys and values go round the ring while each block
+of attention runs.
+
+Each of the p - 1 rotations of (k, v) (one array, `kv`) is a
+`ppermute_start` started before a step's blocks and finished after them,
+under `program_order(enforce=True)` so the compiler keeps it in flight
+there. The backward pass (a `jax.custom_vjp`) rotates `kv` the same way and,
+one step behind, the gradient (dk, dv) of the block each device holds: it
+starts at the device after the block's owner and reaches the owner after
+p - 1 hops, adding each device's part on the way. Saved for the backward:
+this device's q, k, v, output and row log-sum-exp; no other device's block
+(tests/patterns/attention/ring_attention_test.py::test_saves_no_remote_blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_overlap._src.collectives.api import ppermute_start
+from jax_overlap._src.ordering.decorator import program_order
+from jax_overlap._src.patterns.attention import checks
+from jax_overlap._src.patterns.attention import kernel
+from jax_overlap._src.patterns.attention.layout import (
+    check_layout, chunks_per_device)
+from jax_overlap._src.patterns.attention.plan import AFTER, BEFORE, SELF, plan
+from jax_overlap._src.patterns.leaf_scope import moving
+from jax_overlap._src.patterns.varying import vary_over, varying
+
+
+class Config(NamedTuple):
+  axis: object
+  size: int
+  layout: str
+  causal: bool
+  scale: float
+
+
+def ring_attention(q, k, v, *, axis, causal: bool = False,
+                   layout: str = "contiguous", scale=None, segment_ids=None):
+  """Attention over a sequence sharded over `axis`, keys and values passed
+  round a ring of devices one block at a time.
+
+  Call it inside `jax.shard_map` with the sequence dimension sharded over
+  `axis` (p devices), laid out as `layout` says (`to_layout`). Each step
+  attends this device's queries to the block of keys it holds (an online
+  softmax in float32) while that block is already on its way to the next
+  device; fully masked causal blocks are not computed. Differentiable
+  (`jax.grad`, `jax.checkpoint`): the backward pass is a ring too, and
+  saves no other device's block.
+
+  Args:
+    q: (batch, seq_local, heads, head_dim).
+    k, v: (batch, seq_local, kv_heads, head_dim); kv_heads divides heads
+      (GQA, MQA).
+    axis: the mesh axis name the sequence is sharded over.
+    causal: mask each query to the keys at or before its global position.
+    layout: "contiguous" (device d holds chunk d of p) or "zigzag" (chunks d
+      and 2p - 1 - d of 2p: with `causal`, equal work on every device).
+    scale: multiplies q @ k; default 1 / sqrt(head_dim).
+    segment_ids: (batch, seq_local) integers laid out as q; a query sees
+      only keys of its own id (packed sequences).
+
+  Returns:
+    (batch, seq_local, heads, head_dim) in q's dtype: this device's queries'
+    attention over the whole sequence.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import jax_overlap
+    >>> mesh = jax.make_mesh((2,), ('cp',),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> q = k = v = jnp.ones((1, 8, 2, 4))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P(None, 'cp'), out_specs=P(None, 'cp'))
+    ... def attend(q, k, v):
+    ...   return jax_overlap.ring_attention(q, k, v, axis='cp', causal=True)
+    >>> attend(q, k, v).shape
+    (1, 8, 2, 4)
+  """
+  name = "ring_attention"
+  q, k, v = checks.qkv(name, q, k, v)
+  layout = check_layout(name, layout)
+  size = checks.axis_size(name, axis)
+  if q.shape[1] % chunks_per_device(layout):
+    raise ValueError(
+        f"ring_attention(layout={layout!r}): each device holds "
+        f"{chunks_per_device(layout)} chunks of the sequence, but seq_local "
+        f"is {q.shape[1]} (q shape {tuple(q.shape)}); lay the global sequence "
+        "out with to_layout and make its length a multiple of "
+        f"{chunks_per_device(layout) * size}.")
+  segment_ids = checks.segment_ids(name, segment_ids, q)
+  if not isinstance(causal, bool):
+    raise TypeError(f"ring_attention(causal={causal!r}) must be True or False.")
+  cfg = Config(axis, size, layout, causal,
+               checks.scale(name, scale, q.shape[-1]))
+  every = sorted(frozenset({axis}).union(*map(varying, (q, k, v))), key=str)
+  q, k, v = (vary_over(a, every) for a in (q, k, v))
+  if segment_ids is not None:
+    segment_ids = vary_over(segment_ids, every)
+  return _ring_attention(cfg, q, k, v, segment_ids)
+
+
+# --- one step's blocks --------------------------------------------------------
+
+def _take(a, first, count: int, chunk: int):
+  """Local chunks [first, first + count) of `a` along axis 1."""
+  if isinstance(first, int):
+    return jax.lax.slice_in_dim(a, first * chunk, (first + count) * chunk,
+                                axis=1)
+  return jax.lax.dynamic_slice_in_dim(a, first * chunk, count * chunk, axis=1)
+
+
+def _put(a, part, first, chunk: int):
+  return jax.lax.dynamic_update_slice_in_dim(a, part, first * chunk, axis=1)
+
+
+def _choices(table):
+  """The steps after the first as a list of (pair if before, pair if
+  after): entries of one shape are computed by one program, indexed by
+  `before` (a traced bool)."""
+  return list(itertools.zip_longest(table[BEFORE], table[AFTER]))
+
+
+def _pick(pair_b, pair_a, before):
+  """One pair whose chunk offsets depend on `before`, or None where the two
+  differ in shape (then a `lax.cond` chooses)."""
+  if pair_b == pair_a:
+    return pair_b, pair_b.q_first, pair_b.k_first
+  if (pair_b is not None and pair_a is not None
+      and pair_b._replace(q_first=0, k_first=0)
+      == pair_a._replace(q_first=0, k_first=0)):
+    pick = lambda x, y: x if x == y else jnp.where(before, x, y)
+    return (pair_b, pick(pair_b.q_first, pair_a.q_first),
+            pick(pair_b.k_first, pair_a.k_first))
+  return None
+
+
+def _each_pair(table, step: int, before, run, state):
+  """`state = run(state, pair, q_first, k_first)` for each pair of this
+  step; `before` says which of the plan's lists applies after step 0."""
+  if step == 0:
+    for pair in table[SELF]:
+      state = run(state, pair, pair.q_first, pair.k_first)
+    return state
+  for pair_b, pair_a in _choices(table):
+    picked = _pick(pair_b, pair_a, before)
+    if picked is not None:
+      state = run(state, *picked)
+      continue
+    branch = lambda pair: (
+        (lambda s: s) if pair is None
+        else (lambda s: run(s, pair, pair.q_first, pair.k_first)))
+    state = jax.lax.cond(before, branch(pair_b), branch(pair_a), state)
+  return state
+
+
+def _send(x, cfg: Config):
+  """Starts sending `x` to the next device, as a matrix (the TPU compiler
+  may lay out a higher-rank received copy differently from the sent one and
+  refuse its own module; see patterns/_ring.py)."""
+  perm = [(j, (j + 1) % cfg.size) for j in range(cfg.size)]
+  return ppermute_start(x.reshape(-1, x.shape[-1]), cfg.axis, perm)
+
+
+def _ring_indices(cfg: Config, segment_ids):
+  """Per step: whether the held block comes from a device before this one,
+  and its segment ids (all devices' ids are gathered once: integers, a
+  small fraction of a block of k)."""
+  index = jax.lax.axis_index(cfg.axis)
+  before = [jnp.asarray(step) <= index for step in range(cfg.size)]
+  if segment_ids is None:
+    return before, [None] * cfg.size
+  every = jax.lax.all_gather(segment_ids, cfg.axis)
+  return before, [every[(index - step) % cfg.size] for step in range(cfg.size)]
+
+
+# --- forward ------------------------------------------------------------------
+
+def _forward(cfg: Config, q, k, v, segment_ids):
+  """(output in q's dtype, lse), q grouped by kv head."""
+  table = plan(cfg.layout, cfg.causal)
+  chunk = q.shape[1] // chunks_per_device(cfg.layout)
+  before, k_segs = _ring_indices(cfg, segment_ids)
+
+  @program_order(enforce=True)
+  def run(q, kv, q_seg, before, k_segs):
+    stats = kernel.empty_stats(q)
+    held = kv
+    for step in range(cfg.size):
+      sending = step < cfg.size - 1
+      if sending:
+        with moving("k, v"):
+          future = _send(held, cfg)
+
+      def block(stats, pair, qf, kf, held=held, step=step):
+        part = kernel.Stats(*(_take(x, qf, pair.q_count, chunk) for x in stats))
+        seg = lambda a, f, n: None if a is None else _take(a, f, n, chunk)
+        part = kernel.block_forward(
+            part, _take(q, qf, pair.q_count, chunk),
+            _take(held[0], kf, pair.k_count, chunk),
+            _take(held[1], kf, pair.k_count, chunk),
+            causal=pair.diagonal, scale=cfg.scale,
+            q_seg=seg(q_seg, qf, pair.q_count),
+            k_seg=seg(k_segs[step], kf, pair.k_count))
+        return kernel.Stats(*(_put(x, y, qf, chunk) for x, y in zip(stats, part)))
+      stats = _each_pair(table, step, before[step], block, stats)
+      if sending:
+        held = future.done().reshape(kv.shape)
+    return kernel.finish(stats)
+
+  kv = jnp.stack([k, v])
+  out, lse = run(q, kv, segment_ids, before, k_segs)
+  return out.astype(q.dtype), lse
+
+
+# --- backward -----------------------------------------------------------------
+
+def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
+  table = plan(cfg.layout, cfg.causal)
+  chunk = q.shape[1] // chunks_per_device(cfg.layout)
+  before, k_segs = _ring_indices(cfg, segment_ids)
+  delta = kernel.row_delta(out, dout)
+
+  @program_order(enforce=True)
+  def run(q, kv, dout, lse, delta, q_seg, before, k_segs):
+    dq = kernel.zeros_like_varying(q.shape, q)
+    held = kv
+    grads = None
+    for step in range(cfg.size):
+      sending = step < cfg.size - 1
+      if sending:
+        with moving("k, v"):
+          future = _send(held, cfg)
+      dkv = kernel.zeros_like_varying(kv.shape, q)
+
+      def block(state, pair, qf, kf, held=held, step=step):
+        dq, dkv = state
+        rows = lambda a: _take(a, qf, pair.q_count, chunk)
+        keys = lambda a: _take(a, kf, pair.k_count, chunk)
+        seg = lambda a, f, n: None if a is None else _take(a, f, n, chunk)
+        dq_part, dk_part, dv_part = kernel.block_backward(
+            rows(q), keys(held[0]), keys(held[1]), rows(dout), rows(lse),
+            rows(delta), causal=pair.diagonal, scale=cfg.scale,
+            q_seg=seg(q_seg, qf, pair.q_count),
+            k_seg=seg(k_segs[step], kf, pair.k_count))
+        dq = _put(dq, rows(dq) + dq_part, qf, chunk)
+        dkv_part = jnp.stack([dk_part, dv_part])
+        dkv = jax.lax.dynamic_update_slice_in_dim(
+            dkv, jax.lax.dynamic_slice_in_dim(
+                dkv, kf * chunk, pair.k_count * chunk, axis=2) + dkv_part,
+            kf * chunk, axis=2)
+        return dq, dkv
+      dq, dkv = _each_pair(table, step, before[step], block, (dq, dkv))
+      # The gradient of the held block: this device's part, added to what
+      # the devices before it sent (step >= 2), sent on towards its owner.
+      if step == 0:
+        own = dkv
+      else:
+        if grads is not None:
+          dkv = grads.done().reshape(kv.shape) + dkv
+        with moving("dk, dv"):
+          grads = _send(dkv, cfg)
+      if sending:
+        held = future.done().reshape(kv.shape)
+    if grads is not None:
+      own = own + grads.done().reshape(kv.shape)
+    return dq, own
+
+  kv = jnp.stack([k, v])
+  dq, dkv = run(q, kv, dout, lse, delta, segment_ids, before, k_segs)
+  return dq, dkv[0], dkv[1]
+
+
+# --- the custom_vjp -----------------------------------------------------------
+
+def _attention(cfg: Config, q, k, v, segment_ids):
+  grouped = kernel.group_heads(q, k.shape[2])
+  out, _ = _forward(cfg, grouped, k, v, segment_ids)
+  return kernel.ungroup_heads(out)
+
+
+def _attention_fwd(cfg: Config, q, k, v, segment_ids):
+  grouped = kernel.group_heads(q, k.shape[2])
+  out, lse = _forward(cfg, grouped, k, v, segment_ids)
+  return kernel.ungroup_heads(out), (q, k, v, segment_ids, out, lse)
+
+
+def _attention_bwd(cfg: Config, residuals, dout):
+  q, k, v, segment_ids, out, lse = residuals
+  grouped = kernel.group_heads(q, k.shape[2])
+  dq, dk, dv = _backward(cfg, grouped, k, v, segment_ids, out, lse,
+                         kernel.group_heads(dout, k.shape[2]))
+  return (kernel.ungroup_heads(dq).astype(q.dtype), dk.astype(k.dtype),
+          dv.astype(v.dtype), None)
+
+
+_ring_attention = jax.custom_vjp(_attention, nondiff_argnums=(0,))
+_ring_attention.defvjp(_attention_fwd, _attention_bwd)
