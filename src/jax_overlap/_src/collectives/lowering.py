@@ -20,9 +20,10 @@ receives the in-flight value as an argument of the second body, and walking
 back finds no start. So each start that lowered to an async pair records its
 pair in the module's lowering cache, keyed by its `Comm` (the start and done
 of one future share it), and a done whose walk finds nothing finishes the
-pair recorded. Without that the done was the identity and XLA refused the
-lone start ("Custom emitter for all-gather-start not found", TPU v5e,
-libtpu 0.0.52). A start that stayed synchronous records nothing.
+pair recorded: a lone start is refused by XLA ("Custom emitter for
+all-gather-start not found" on TPU), which
+tests/aot/real_compilers_test.py::test_fsdp_scan_on_an_explicit_mesh pins.
+A start that stayed synchronous records nothing.
 
 Where the synchronous lowering does not end in one collective op (an untiled
 psum_scatter ends in a reshape; a vmapped collective over the vmap axis has
@@ -301,17 +302,17 @@ def _sync_on_this_platform(ctx, op) -> bool:
   why = None
   if name == "reduce-scatter":
     why = ("an async reduce-scatter crashes the TPU compiler (SIGSEGV in "
-           "AsyncCollectiveReplacer, libtpu 0.0.52)")
+           "AsyncCollectiveReplacer)")
   elif name == "all-reduce":
     why = ("the TPU compiler has no async all-reduce pair (synchronous, or "
            "'all-reduce-start is not implemented on TPU' with the async flags)")
   elif name == "all-to-all":
     why = ("an async all-to-all of this buffer crashes the TPU compiler "
-           "(SIGSEGV, or 'dimension is tiled', libtpu 0.0.52)")
+           "(SIGSEGV, or 'dimension is tiled')")
   elif name == "all-gather" and \
       quirks.applies("tpu-sync-all-gather", "tpu", _device_kind(ctx)):
-    why = ("the TPU v5p compiler makes every all-gather synchronous "
-           "(libtpu 0.0.52); there its async form is N-1 collective-permutes "
+    why = ("the TPU v5p compiler makes every all-gather synchronous; "
+           "there its async form is N-1 collective-permutes "
            "(permute_forms.py), and before that an all-to-all")
   if why is None:
     return False
@@ -350,10 +351,11 @@ def _ragged_op(y):
 
 def _say_ragged_is_sync(ctx, op, comm: Comm) -> None:
   """The real ragged all-to-all stays whole where the future starts: XLA's
-  async custom calls (jax 0.12) take the five other collectives only
-  ("No registered implementation for custom call to ragged-all-to-all-start
-  for platform CUDA"; TPU: "Custom emitter for ragged-all-to-all-start not
-  found"), and an ordered block's fences then finish it there."""
+  async custom calls (`_compat.ASYNC_CUSTOM_CALLS`) take the five other
+  collectives only ("No registered implementation for custom call to
+  ragged-all-to-all-start for platform CUDA"; TPU: "Custom emitter for
+  ragged-all-to-all-start not found"), and an ordered block's fences then
+  finish it there."""
   op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
   accelerators = [p for p in _platforms(ctx) if p != "cpu"]
   if not accelerators:
@@ -365,10 +367,9 @@ def _say_ragged_is_sync(ctx, op, comm: Comm) -> None:
     return
   not_async.warn_once(f"future:{platform}:ragged-all-to-all", (
       f"ragged_all_to_all_start on {platform}: XLA has no async ragged "
-      "all-to-all pair a program can place (jax 0.12's async custom calls "
-      "take all-gather, all-reduce, reduce-scatter, all-to-all and "
-      "collective-permute only; measured with libtpu 0.0.52 and the CUDA "
-      "plugin 0.12.0.1), so the "
+      "all-to-all pair a program can place (its async custom calls take "
+      "all-gather, all-reduce, reduce-scatter, all-to-all and "
+      "collective-permute only), so the "
       "ragged all-to-all runs whole where the future starts: inside "
       "program_order nothing is in flight between start and done() (values "
       "unchanged; outside program_order XLA may still make it async, as "
@@ -476,10 +477,11 @@ def _done_custom_call(name, started):
 
 
 def _fits_async_region(ctx, op) -> bool:
-  # The TPU and GPU plugins of jax < 0.12 refuse the region when StableHLO is
-  # serialized for them ("failed to legalize operation 'vhlo.async_start_v1'",
-  # measured with jax 0.10.2 and 0.11.0, tests/aot/): there the plain op stands,
-  # back to back as the region would be.
+  # Without the async custom calls (`_compat.ASYNC_CUSTOM_CALLS` false) the
+  # TPU and GPU plugins refuse the region when StableHLO is serialized for
+  # them ("failed to legalize operation 'vhlo.async_start_v1'"; tests/aot/ on
+  # the older jax pins it): there the plain op stands, back to back as the
+  # region would be.
   if set(_platforms(ctx)) - {"cpu"}:
     return False
   # XLA turns an all_to_all whose split and concat dimensions differ into

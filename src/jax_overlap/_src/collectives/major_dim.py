@@ -1,21 +1,15 @@
 """Futures that move data along a minor axis, moved along the major one.
 
-An async collective whose gathered, scattered or split dimension is not the
-operand's major one failed on both real compilers (jax 0.12.0.1, ahead of
-time, an (8, 16) f32 shard, dimension 1, under `program_order`):
-
-* `all_gather_start`: libtpu 0.0.52 on v5e aborted the process (`RET_CHECK
-  IsMajorDimAllGather`, all_gather_emitter.cc; an (8, 16, 4) shard along
-  axis 2 was refused with the same check), and the H100 compiler refused the
-  module, in `fsdp_scan` over column-sharded weights ("Asynchronous
-  computation async_computation expected to contain only the root and
-  parameter instructions") and on an argument ("Assigned parameter shape
-  f32[8,16]{0,1} does not match layout of computation shape": it wants the
-  operand laid out with that dimension major, which an entry parameter
-  cannot take);
-* `psum_scatter_start` (scatter_dimension 1) and `all_to_all_start`
-  (split_axis 1): the H100 compiler refused the module the same way. (On
-  TPU these take their TPU forms, tpu_forms.py, which move the axis first.)
+Invariant: a future whose gathered, scattered or split dimension is not its
+operand's major one runs its collective along axis 0 (the TPU forms aside,
+which place the axis themselves). Why: an async collective along a minor dimension fails on the real
+compilers: the TPU compiler aborts on such an all-gather (`RET_CHECK
+IsMajorDimAllGather`), and the H100 compiler refuses the module for all three
+(an entry parameter cannot take the layout it wants; inside `fsdp_scan`,
+"Asynchronous computation ... expected to contain only the root and
+parameter instructions"). docs/compilers.md has the cases;
+tests/aot/real_compilers_test.py (`-k minor_axis`) pins that each such
+future is now an async pair with the matmul in its window.
 
 XLA's own synchronous collectives transpose in its partitioner instead. So
 such a future moves that axis to the front, runs the collective along axis

@@ -4,7 +4,7 @@ Two cases, each said once per process with a `CollectiveNotAsyncWarning`:
 
 * a future the backend cannot compile as an async pair, which the library
   lowers synchronously instead (values unchanged, nothing in flight): on TPU
-  (libtpu 0.0.52) a `psum_scatter_start`, `psum_start` or `all_to_all_start`
+  (quirks.py, "tpu-collective-forms") a `psum_scatter_start`, `psum_start` or `all_to_all_start`
   (and on v5p an `all_gather_start`) that has no TPU form (tpu_forms.py,
   permute_forms.py:
   several axis names, vmap, a transpose made by autodiff), and the futures in

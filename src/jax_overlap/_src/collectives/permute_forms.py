@@ -1,13 +1,14 @@
 """`all_gather_start` and `psum_scatter_start` on TPU v5p, as
 collective-permutes in flight at once.
 
-libtpu (0.0.52) compiles every all-gather of v5p synchronously, crashes on an
-async reduce-scatter, and aborts on a module holding several of the
-all-to-all forms of `tpu_forms.py` in flight. It does compile async
-collective-permutes on v5p, several at once once
+On v5p the TPU compiler compiles every all-gather synchronously, crashes on
+an async reduce-scatter, and aborts on a module holding several of the
+all-to-all forms of `tpu_forms.py` in flight (quirks.py, "tpu-permute-forms",
+with the compiler versions it holds for). It does compile async
+collective-permutes there, several at once once
 `xla_max_concurrent_async_collective_permutes` allows it (set for such
-modules by `ordering/compile_options.py`; libtpu's default is one). So on v5p,
-over an axis of N devices:
+modules by `ordering/compile_options.py`; the compiler's default is one). So
+on v5p, over an axis of N devices:
 
 * `all_gather_start(x)`: N-1 permutes of `x`, the k-th to the device k
   places further along the axis (k = 1 .. N-1), all started at once; `done()`
@@ -22,14 +23,16 @@ flight while the code written before `done()` runs. The future is a
 does with a ppermute (autodiff, vmap, program_order, the compile options)
 holds for its parts. Values match `jax.lax` up to the order of the sum
 (each chunk is summed on one device only, so no two devices can disagree):
-tests/permute_forms_test.py checks values and gradients on CPU with `FORCE`.
+tests/collectives/permute_forms_test.py checks values and gradients on CPU with `FORCE`.
 
-Measured with libtpu 0.0.52 (tests/aot/): each part an async pair around the
-matmul written before `done()`; fsdp_scan's gathers and reduce-scatters (with
-buckets or one a weight) in flight as on v5e, once the module is compiled
-with libtpu's experimental scheduler features (compile_options.py). The parts share one operand (a
-gather's), which XLA's CSE merged until each permute start carried its
-config as its backend config (collectives/lowering.py).
+On the real compiler each part is an async pair around the matmul written
+before `done()`, and fsdp_scan's gathers and reduce-scatters are in flight
+as on v5e once the module gets the experimental scheduler features
+(compile_options.py): tests/aot/tpu_forms_compiled_test.py pins both
+(docs/compilers.md has the counts). The parts share one operand (a
+gather's); each permute start carries its config as its backend config so
+that XLA's CSE keeps them apart (collectives/lowering.py;
+`test_v5p_permute_parts_stay_apart_outside_program_order`).
 """
 
 from __future__ import annotations

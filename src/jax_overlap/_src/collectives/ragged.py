@@ -1,6 +1,6 @@
 """The ragged all-to-all: its argument checks, and its form for XLA:CPU.
 
-XLA:CPU cannot run `ragged-all-to-all` (jax 0.10.2 to 0.12.0.1:
+XLA:CPU cannot run `ragged-all-to-all` (on every supported jax:
 "UNIMPLEMENTED: HLO opcode ragged-all-to-all is not supported by XLA:CPU
 ThunkEmitter"), so a future lowered for CPU runs `by_dense_all_to_all`: every
 chunk padded to the worst case (`min(N, M)` rows), one dense all-to-all of

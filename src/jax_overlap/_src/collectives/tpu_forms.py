@@ -26,11 +26,11 @@ Each form is `start` (x -> the buffer in flight, ending in the all-to-all)
 and `done` (that buffer -> exactly the `jax.lax` collective's value), traced
 with jax's own ops where the future starts, so its types are jax's. The form
 is chosen then, at trace time, for a trace whose mesh is of TPU devices
-(jax 0.12 says so: `_compat.trace_device`), and the value in flight has the
+(`_compat.trace_device`, where jax records the mesh's device), and the value in flight has the
 form's own type (`Comm.flight_aval`) in the jaxpr, so that every boundary
 and transformation between start and done sees a consistent type. Values
 match `jax.lax` up to the order of the sum (device order here; exact for
-values whose sums are exact): tests/tpu_forms_test.py checks values and
+values whose sums are exact): tests/collectives/tpu_forms_test.py checks values and
 gradients on CPU with `FORCE`.
 """
 
