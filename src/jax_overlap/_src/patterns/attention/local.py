@@ -1,0 +1,54 @@
+"""Attention on one device, by kernel.py's blocks: the default kernel of
+`ulysses_attention`, over the whole sequence and a slice of the heads.
+
+A `jax.custom_vjp` saves the inputs, the output and the row log-sum-exp,
+never the (seq x seq) probabilities: the backward pass recomputes them a key
+block at a time (tests/patterns/attention/ulysses_attention_test.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_overlap._src.patterns.attention import kernel
+
+
+def local_attention(q, k, v, *, causal: bool, scale: float, segment_ids=None):
+  """Softmax attention of q (b, s, heads, d) over k, v (b, s, kv_heads, d),
+  all on this device; float32 inside, q's dtype out."""
+  return _local(causal, scale, q, k, v, segment_ids)
+
+
+def _forward(causal, scale, q, k, v, segment_ids):
+  grouped = kernel.group_heads(q, k.shape[2])
+  stats = kernel.block_forward(kernel.empty_stats(grouped), grouped, k, v,
+                               causal=causal, scale=scale, q_seg=segment_ids,
+                               k_seg=segment_ids)
+  out, lse = kernel.finish(stats)
+  return kernel.ungroup_heads(out).astype(q.dtype), lse
+
+
+def _plain(causal, scale, q, k, v, segment_ids):
+  return _forward(causal, scale, q, k, v, segment_ids)[0]
+
+
+def _fwd(causal, scale, q, k, v, segment_ids):
+  out, lse = _forward(causal, scale, q, k, v, segment_ids)
+  return out, (q, k, v, segment_ids, out, lse)
+
+
+def _bwd(causal, scale, residuals, dout):
+  q, k, v, segment_ids, out, lse = residuals
+  group = functools.partial(kernel.group_heads, kv_heads=k.shape[2])
+  gq, gout, gdout = group(q), group(out), group(dout)
+  dq, dk, dv = kernel.block_backward(
+      gq, k, v, gdout, lse, kernel.row_delta(gout, gdout), causal=causal,
+      scale=scale, q_seg=segment_ids, k_seg=segment_ids)
+  return (kernel.ungroup_heads(dq).astype(q.dtype), dk.astype(k.dtype),
+          dv.astype(v.dtype), None)
+
+
+_local = jax.custom_vjp(_plain, nondiff_argnums=(0, 1))
+_local.defvjp(_fwd, _bwd)
