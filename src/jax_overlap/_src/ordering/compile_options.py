@@ -18,44 +18,45 @@ themselves (then theirs is kept as given):
   collective-permutes `xla_max_concurrent_async_collective_permutes`
   (libtpu's default 1: on v5p an `all_gather_start` or `psum_scatter_start`
   is N-1 permutes in flight at once, collectives/permute_forms.py, which
-  failed to compile with `kExceedsOverlapLimit` on a
+  fails to compile with `kExceedsOverlapLimit` on a
   `collective-permute-done` without it).
 
 On TPU v5p (quirks.py, "tpu-permute-scheduler") such a module also gets
-`xla_tpu_enable_all_experimental_scheduler_features=True`. Without it libtpu
-0.0.52's latency-hiding scheduler finished some of fsdp_scan's permute
-reduce-scatters before the next step's matmuls, their permutes two at a
-time, though nothing held them there: in the HLO it scheduled, those matmuls
-neither read the dones nor fed the starts, the permute limit (77) was far
-above what was in flight (14 at most), and neither raising it, nor memory
-pressure tracking off, nor 1024-wide weights changed it (one reduce-scatter
-a weight, 4 layers of 2: 4 of the 6 wanted in flight; one weight over 4
-layers: 2 of 3). With it: 6 of 6 and 3 of 3, and the gathers as many or
-more; v5p's other real-compiler checks unchanged (tests/aot/).
+`xla_tpu_enable_all_experimental_scheduler_features=True`: without it the
+compiler's latency-hiding scheduler finishes some of fsdp_scan's permute
+reduce-scatters before the next step's matmuls though nothing holds them
+there (docs/compilers.md has the counts; tests/aot/real_compilers_test.py::
+test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu pins it).
 
 A TPU module that holds an async all-to-all (the TPU form of
 `psum_scatter_start`, `psum_start` and `all_to_all_start`, on v5p of
 `psum_start` and `all_to_all_start`: collectives/tpu_forms.py) also gets
-`xla_tpu_enable_async_all_to_all=True`: without it libtpu crashes on the
-pair (SIGSEGV), with it the all-to-all is async on v5e and v5p. libtpu allows
-one async all-to-all in flight (no option raises it), so in a TPU module
+`xla_tpu_enable_async_all_to_all=True`: without it the TPU compiler crashes
+on the pair (SIGSEGV), with it the all-to-all is async on v5e and v5p
+(tests/aot/tpu_forms_compiled_test.py::
+test_the_form_needs_the_async_all_to_all_option). The compiler allows one
+async all-to-all in flight (no option raises it), so in a TPU module
 holding several such futures:
 
-* on v5e (quirks.py, "tpu-forms-in-flight"), each form's start is tied after the
-  all-to-all finished before it in its block (`lowering.chain_form_starts`):
-  lowering ties those it lowers into one block, but jax lowers each step of an
-  unrolled scan apart, and untied, libtpu refused fsdp_scan's backward over 4
-  and 5 layers. Tied, each reduce-scatter but the last has a matmul in flight
-  (2 to 12 layers, 1 or 2 weights). Should libtpu still refuse a module for
-  two in flight (`kExceedsOverlapLimit` on an all-to-all-done), the forms are
-  finished where they start and it is compiled again
-  (`_finish_forms_when_refused`, a retry hook on jax's compile; warned);
-* elsewhere (v5p, where libtpu 0.0.52 aborted the process on fsdp_scan's
-  backward over 2 or 3 layers with them async, tied or not, when its
-  gathers and reduce-scatters were such forms; generations not measured),
-  each is finished where it starts before the compile (warned). On v5p
-  fsdp_scan's gathers and reduce-scatters are permutes now, so this is left
-  to programs with several `psum_start` / `all_to_all_start` futures.
+* on v5e (quirks.py, "tpu-forms-in-flight"), each form's start is tied after
+  the all-to-all finished before it in its block
+  (`lowering.chain_form_starts`): lowering ties those it lowers into one
+  block, but jax lowers each step of an unrolled scan apart, and the
+  compiler refuses fsdp_scan's backward untied. Tied, each reduce-scatter
+  but the last has a matmul in flight (tests/aot/tpu_forms_compiled_test.py::
+  test_fsdp_scan_backward_reduce_scatters_overlap_the_matmuls_on_tpu).
+  Should the compiler still refuse a module for two in flight
+  (`kExceedsOverlapLimit` on an all-to-all-done), the forms are finished
+  where they start and it is compiled again (`_finish_forms_when_refused`, a
+  retry hook on jax's compile; warned; tests/aot/tpu_forms_compiled_test.py,
+  `-k refuses_compiles_again`);
+* elsewhere (v5p, where the compiler aborts on some modules holding several
+  forms in flight, tied or not; generations quirks.py does not name), each
+  is finished where it starts before the compile, warned
+  (tests/aot/tpu_forms_compiled_test.py::
+  test_several_all_to_all_forms_on_v5p_are_finished_at_once). On v5p
+  fsdp_scan's gathers and reduce-scatters are permutes, so this is left to
+  programs with several `psum_start` / `all_to_all_start` futures.
 
 A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
 (`ordering/gpu_ties.py`) gets the GPU bound raised to the number of
@@ -64,8 +65,9 @@ partitioner's gather and reduce-scatter in flight at once. It also gets
 `xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
 tied collectives; the A100 spec has it off).
 
-Other modules compile exactly as XLA would. Measured with jax 0.12.0.1,
-jax-cuda12-plugin 0.12.0.1 (H100 spec) and libtpu 0.0.52 (v5e, v5p), tests/aot/.
+Other modules compile exactly as XLA would
+(tests/ordering/compile_options_test.py; the real compilers' checks are in
+tests/aot/, over the compiler versions quirks.py's rows name).
 """
 
 from __future__ import annotations
@@ -172,9 +174,8 @@ def _options_for(computation, platform: str, user_options, *,
     wanted[TPU_EXPERIMENTAL_SCHEDULER] = True
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
-    # their step's compute; a target that has it off (the A100 spec) ran
-    # each one synchronously (jax 0.12.0.1: 0 of 6 gathers overlapped, 6 of 6
-    # with it on).
+    # their step's compute; a target that has it off (the A100 spec) runs
+    # each one synchronously (docs/compilers.md, the A100 rows).
     wanted[GPU_LATENCY_HIDING] = True
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
 
@@ -208,7 +209,7 @@ def _finish_forms_at_once(computation, device_kind) -> None:
         "compiled program are in their TPU form (psum_scatter_start, "
         "psum_start, all_to_all_start: an "
         "all-to-all each); the TPU compiler allows one async all-to-all at a "
-        "time, and on this generation libtpu 0.0.52 aborts on some programs "
+        "time, and on this generation the compiler aborts on some programs "
         "holding several in flight (v5p), so each runs synchronously here "
         "(values unchanged). A program with one such future keeps it in "
         "flight; on v5e several stay in flight. Silence with "
@@ -242,7 +243,7 @@ def _finish_forms_when_refused(computation, platform, error) -> bool:
       "(psum_scatter_start, psum_start, all_to_all_start; all_gather_start "
       "on v5p: an all-to-all each), and the TPU compiler refused the "
       "program's schedule because two of them would be in flight at once "
-      "(it allows one async all-to-all, libtpu 0.0.52; no option raises it: "
+      "(it allows one async all-to-all; no option raises it: "
       "'kExceedsOverlapLimit'). They run synchronously in this program "
       "(values unchanged); a program that the compiler schedules one at a "
       "time keeps them in flight. Silence with warnings.filterwarnings('ignore', "
