@@ -1,11 +1,11 @@
 """Ties that keep `fsdp_scan`'s moves on an explicit mesh in their step (GPU).
 
 On an explicit-sharding mesh the moves are `jax.reshard`s, and the
-collectives are XLA's partitioner's. Left alone, the GPU compiler (H100,
-jax 0.12.0.1) sees every layer's gather depend on nothing but the stacked
-params, unrolls the short loop and combines them all into one all-gather
-before the first layer (and the gradients' reduce-scatters into one after
-the last): nothing overlaps. A step here is
+collectives are XLA's partitioner's. Left alone, the GPU compiler sees every
+layer's gather depend on nothing but the stacked params, unrolls the short
+loop and combines them all into one all-gather before the first layer (and
+the gradients' reduce-scatters into one after the last): nothing overlaps.
+A step here is
 
     (next shards, pending gradients, this layer's inputs) = barrier(...)
     gather / reduce-scatter them; this layer's compute
@@ -14,23 +14,25 @@ the last): nothing overlaps. A step here is
 so layer i+1's gather reads a value that also holds layer i's inputs (it
 cannot start before layer i can), and layer i+1's inputs are tied to layer
 i's gathered weights and scattered gradients (it cannot run before they are
-done). No two steps' collectives are then independent, so none are combined,
-and the latency-hiding scheduler puts each one's start and done around the
-compute of its own step: measured with the H100 spec, 4 layers of 2
-weights, forward 3 of 4 gathers with a gemm in flight (the first layer's has
-none to hide behind), `value_and_grad` 6 of 7 gathers and 3 of 4
-reduce-scatters (all but the last).
+done). Invariant: no two steps' collectives are independent, so none are
+combined, and the latency-hiding scheduler puts each one's start and done
+around the compute of its own step: every gather but the first layer's and
+every reduce-scatter but the last has a gemm in flight
+(tests/aot/real_compilers_test.py::test_fsdp_scan_on_an_explicit_mesh;
+docs/compilers.md has the counts).
 
 The ties are lowered for GPU only (`lax.platform_dependent`, resolved when
-the program is lowered for its platform): on TPU v5e (libtpu 0.0.52) they
-made it worse (`value_and_grad` at width 128: 7 of 12 gathers overlapped,
-12 of 12 without), and CPU runs every collective blocking. On TPU v5e with
-jax 0.12 the moves are futures instead (explicit_futures.py).
+the program is lowered for its platform;
+tests/ordering/compile_options_test.py::
+test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only): on TPU they leave
+fewer gathers in flight than no ties do, and CPU runs every collective
+blocking. On TPU, where jax can take a future there, the moves are futures
+instead (explicit_futures.py).
 
 A module holding these ties gets GPU's bound on collectives in flight
 raised (`ordering/compile_options.py`, from `count`): a backward step has a
 gather and a reduce-scatter in flight at once, and with XLA's default of one
-the scheduler made one of them synchronous.
+the scheduler makes one of them synchronous.
 """
 
 from __future__ import annotations
