@@ -45,6 +45,9 @@ def orders(schedule: str, p: int, m: int, v: int,
            send_ticks: int = 0) -> list[list[Action]]:
   """Device d's actions in the order it runs them (zb-h1: its F and I only;
   plan.py places each W)."""
+  if schedule == "forward":   # the loss alone (pipeline_loss, undifferentiated)
+    return [[Action(F, i, j) for j in range(v) for i in range(m)]
+            for _ in range(p)]
   if schedule == "gpipe":
     return [[Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)]
             for _ in range(p)]

@@ -1,0 +1,93 @@
+"""`pipeline_loss`: a pipelined model's mean loss whose gradient the schedule
+computes while it runs.
+
+A `custom_vjp`: undifferentiated, the loss runs the forward ticks alone;
+under `jax.grad` its forward rule runs the whole schedule (forward and
+backward ticks, executor.py) and keeps the gradients, which the backward
+rule scales by the loss's cotangent. So the gradient holds inside a larger
+loss (an embedding before, a regulariser beside). The gradients are not
+differentiable again. Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from jax_overlap._src.patterns.pipeline import checks as _checks
+from jax_overlap._src.patterns.pipeline import plan as _plan
+from jax_overlap._src.patterns.pipeline.executor import execute
+
+
+def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
+                  xs, targets, *, axis, schedule: str = "1f1b",
+                  virtual_stages: int = 1, send_ticks: int = 1):
+  """The mean over m microbatches of `loss_fn(stages(x), target)`, the
+  stages pipelined over the devices of `axis`; call inside `jax.shard_map`.
+
+  Args:
+    stage_fn: `stage_fn(params, x) -> x`, one stage; the activation's shape
+      and dtype are kept. No collective over `axis` inside (another mesh
+      axis, for FSDP or tensor parallelism, is fine).
+    loss_fn: `loss_fn(y, target) -> scalar`, one microbatch's loss.
+    stage_params: a pytree whose leaves have a leading axis of size
+      `virtual_stages` here; entry j on device d is global stage j*p + d
+      (`pipeline_stage_layout` lays a stack of the p*v stages out so).
+    xs: `[m, ...]`, the microbatches' inputs, the same on every device.
+    targets: a pytree of `[m, ...]` leaves, the same on every device.
+    axis: the pipeline's mesh axis, p devices.
+    schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
+      (`pipeline_schedule` prints each).
+    virtual_stages: v, chunks a device (for "interleaved").
+    send_ticks: 1 (default): each stage-to-stage send is in flight while the
+      next tick computes, for a longer table (`pipeline_schedule(...,
+      send_ticks=1)`); 0: each send is waited for before the next tick, the
+      literature's table.
+
+  Returns:
+    The mean loss, the same on every device. `jax.grad` of it with respect
+    to `stage_params` and `xs` gives the gradients of that mean.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import jax_overlap
+    >>> mesh = jax.make_mesh((2,), ('pp',),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> w = jnp.stack([jnp.eye(3) * 2.0, jnp.eye(3) * 3.0])  # 2 stages
+    >>> xs, ys = jnp.ones((4, 2, 3)), jnp.zeros((4, 2, 3))   # m = 4
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P('pp'), P(), P()), out_specs=P())
+    ... def loss(w, xs, ys):
+    ...   return jax_overlap.pipeline_loss(
+    ...       lambda w, x: x @ w,
+    ...       lambda y, t: jnp.mean((y - t) ** 2), w, xs, ys, axis='pp')
+    >>> loss(w, xs, ys)
+    Array(36., dtype=float32)
+  """
+  p = _checks.axis_size(axis)
+  m = _checks.check_shapes(stage_params, xs, targets, virtual_stages)
+  plan = _plan.pipeline_schedule(schedule, p, m, virtual_stages,
+                                 send_ticks=send_ticks)
+  forward = _plan.place("forward", p, m, virtual_stages, send_ticks)
+  _checks.check_stage_fn(stage_fn, loss_fn, stage_params, xs, targets, axis)
+
+  @jax.custom_vjp
+  def run(params, xs, targets):
+    return execute(forward, stage_fn, loss_fn, params, xs, targets, axis,
+                   with_grads=False)
+
+  def run_fwd(params, xs, targets):
+    loss, grads, dxs = execute(plan, stage_fn, loss_fn, params, xs, targets,
+                               axis, with_grads=True)
+    return loss, (grads, dxs)
+
+  def run_bwd(res, ct):
+    grads, dxs = res
+    scale = lambda g: (ct * g).astype(g.dtype)
+    # targets get no gradient (None: a zero cotangent, integer labels too)
+    return jax.tree.map(scale, grads), scale(dxs), None
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(stage_params, xs, targets)
