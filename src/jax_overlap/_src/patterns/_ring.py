@@ -53,11 +53,13 @@ _LEFT, _RIGHT = -1, +1
 
 def _send(chunk, ring: Ring, direction: int):
   """Starts sending `chunk` one device along the ring in `direction`, as a
-  matrix: the TPU compiler (libtpu 0.0.52) may give a rank-3 or higher
-  chunk's received copy another layout than the one sent (say a block of a
-  (batch, sequence, width) array gathered along the sequence) and then
-  refuses its own module: "Input and output buffer shapes have different
-  layout". The receiver reshapes it back."""
+  matrix: the TPU compiler may give a rank-3 or higher chunk's received
+  copy another layout than the one sent (say a block of a (batch, sequence,
+  width) array gathered along the sequence) and then refuses its own module:
+  "Input and output buffer shapes have different layout"
+  (tests/aot/real_compilers_test.py::
+  test_data_and_tensor_parallel_block_compiles). The receiver reshapes it
+  back."""
   if chunk.ndim > 2:
     chunk = chunk.reshape(-1, chunk.shape[-1])
   return ppermute_start(chunk, ring.axis, ring.perm(direction))
@@ -132,10 +134,11 @@ def reduce_scatter_ring(ring: Ring, operands,
         # This step's parts read the operands only once what is being sent
         # is complete, as a gather ring's compute reads the chunk it sends.
         # A part reads nothing that travels, and without this tie the TPU
-        # compiler (libtpu 0.0.52, v5e) computes every part of a ring alone
-        # in the first send's window, leaving the later sends nothing to
-        # hide behind; a tie to the arrival instead (the done) makes v5p run
-        # each part after its send has finished.
+        # compiler (v5e) computes every part of a ring alone in the first
+        # send's window, leaving the later sends nothing to hide behind; a
+        # tie to the arrival instead (the done) makes v5p run each part after
+        # its send has finished (tests/aot/real_compilers_test.py::
+        # test_collective_matmul_sends_behind_block_matmuls).
         operands, _ = jax.lax.optimization_barrier(
             (operands, [acc[d] for d in sending]))
       parts = {d: part(operands, targets[d, local[d]])

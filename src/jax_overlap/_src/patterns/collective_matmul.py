@@ -216,10 +216,11 @@ def _gather_then_matmul_transpose(ring: Ring, dim: int, x, w, dy):
   # dx: dy's rows, summed over the devices and scattered back to the block
   # each came from; dw: the gathered x against dy, one block at a time.
   # The ring is not paced here: beside the gather ring of x below, whose
-  # steps the compiler interleaves with its own, pacing left windows empty
-  # (measured with libtpu 0.0.52: 13 of 14 permutes with a block matmul on
-  # v5e and 7 of 14 on v5p, against 14 and 13 unpaced; 14 on both since
-  # program_order fences past input-free equations, ordering/barriers.py).
+  # steps the compiler interleaves with its own, pacing leaves windows empty
+  # on TPU (docs/compilers.md has the counts;
+  # tests/aot/real_compilers_test.py::
+  # test_collective_matmul_sends_behind_block_matmuls pins every permute
+  # with a block matmul).
   with moving("dy @ w.T"):
     dx = _scatter_partial_sums(ring, dim, dy, w.T, paced=False)
   rows = x.shape[dim]

@@ -12,9 +12,11 @@ from device `s`) or None. Two transports:
   its own inverse and its own transpose, so the combine and the backward
   pass use it too. Both legs go in *one* all-to-all (each flattened per
   destination and concatenated), so that the pipeline keeps one exchange
-  in flight at a time: TPU v5e (libtpu 0.0.52) takes one async all-to-all
-  at a time, and a second one started while the first is in flight would
-  run synchronously.
+  in flight at a time: the TPU compiler takes one async all-to-all at a
+  time (quirks.py, "tpu-forms-in-flight"), and a second one started while
+  the first is in flight would run synchronously
+  (tests/aot/moe_compiled_test.py::
+  test_all_to_alls_are_in_flight_across_the_expert_matmuls).
 * `RaggedTransport` (dropless, `capacity=None`): each leg a ragged
   all-to-all of the same buffers that sends only the routed rows
   (`ragged_exchange.py`): the real `ragged-all-to-all` on GPU and TPU
