@@ -23,8 +23,8 @@ import sys
 HISTORY = re.compile(
     r"libtpu \d"                                  # a compiler build named
     r"|(?:cuda12-|CUDA |the CUDA )plugin \d"
-    r"|\b[Mm]easured (?:with|on|here|in|at)\b"    # the act of measuring
-    r"|\((?:[a-z ]+, )?measured[,:]|\bMeasured (?:with|on|\()|; measured\b"
+    r"|(?<!was )\b[Mm]easured (?:with|on|here|in|at)\b"   # measuring, not
+    r"|\((?:[a-z ]+, )?measured[,:]|; measured\b"  # a tested range's name
     r"|\b\d+ of \d+\b"                            # counts from one run
     r"|\bmid-20\d\d|\b20\d\d-\d\d-\d\d"           # dates
     r"|\b\d+(?:\.\d+)?(?:-\d+)? ?(?:ms|us|µs) (?:a|per|each)\b"   # timings

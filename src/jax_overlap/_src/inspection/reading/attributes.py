@@ -121,8 +121,8 @@ def leaf_in(op_name: str) -> str | None:
 def source_location(instr: HloInstruction,
                     module: HloModule | None = None) -> str | None:
   """`file:line` from `metadata={... source_file="..." source_line=N}`, or
-  from its `stack_frame_id=N` and `module`'s stack-frame tables (dumps of
-  jax 0.10.2 and later; `stack_frames.py`); None when neither says."""
+  from its `stack_frame_id=N` and `module`'s stack-frame tables (the dumps
+  of every supported jax; `stack_frames.py`); None when neither says."""
   value = instr.attributes.get("metadata", "")
   file = re.search(r'source_file=("(?:[^"\\]|\\.)*")', value)
   line = re.search(r"source_line=(\d+)", value)

@@ -1,7 +1,7 @@
 """Reading the schedule of a live compile (`jax.jit(f).lower(...).compile()`).
 
 Where the jaxlib exposes XLA's module object
-(`compiled.runtime_executable().hlo_modules()[0]`, on jax 0.10.2 to 0.12),
+(`compiled.runtime_executable().hlo_modules()[0]`, every supported jaxlib),
 the instructions are read from its text and put in the order of XLA's own
 schedule (`module.schedule().sequence(computation)`) for every non-fusion
 computation. Otherwise `compiled.as_text()` is read, whose order is the

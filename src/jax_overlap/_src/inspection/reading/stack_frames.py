@@ -1,8 +1,8 @@
 """Source lines from a dump's stack-frame tables.
 
-jax 0.10.2 and later write no `source_file`/`source_line` in an instruction's
-metadata; they write `stack_frame_id=N`, and the module's text opens with four
-tables that resolve it:
+The supported jax versions write no `source_file`/`source_line` in an
+instruction's metadata; they write `stack_frame_id=N`, and the module's text
+opens with four tables that resolve it:
 
     FileNames
     1 "/home/me/train.py"
