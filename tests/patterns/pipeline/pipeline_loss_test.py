@@ -1,0 +1,183 @@
+"""pipeline_loss: values and gradients equal the sequential model's."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src.patterns.pipeline import buffers, plan as plan_lib
+from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
+from pipeline_model import (mesh, model, mse, pipelined_loss, sequential_loss,
+                            stage)
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _grid():
+  for p, k in itertools.product((2, 4), (1, 2, 3)):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+      yield schedule, p, k * p, 1
+    yield "interleaved", p, k * p, 2
+
+
+def _check(loss, ref, params, xs, ts):
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, xs, ts)
+  want = jax.value_and_grad(ref, argnums=(0, 1))(params, xs, ts)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+  np.testing.assert_allclose(jax.jit(loss)(params, xs, ts), want[0], **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,m,v", list(_grid()))
+def test_values_and_gradients(schedule, p, m, v):
+  params, xs, ts = model(p * v, m)
+  _check(pipelined_loss(p, schedule=schedule, virtual_stages=v),
+         sequential_loss, params, xs, ts)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_waiting_sends_give_the_same(schedule, v):
+  params, xs, ts = model(2 * v, 4)
+  _check(pipelined_loss(2, schedule=schedule, virtual_stages=v, send_ticks=0),
+         sequential_loss, params, xs, ts)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_inside_a_larger_loss(schedule):
+  """An embedding before the pipeline, a regulariser beside it."""
+  p, m = 2, 4
+  params, _, ts = model(p, m)
+  tokens = jax.random.randint(jax.random.key(1), (m, 2), 0, 5)
+  table = jax.random.normal(jax.random.key(2), (5, 4))
+  piped = pipelined_loss(p, schedule=schedule)
+
+  def full(loss):
+    def f(params, table):
+      xs = jnp.take(table, tokens, axis=0)
+      reg = 0.1 * sum(jnp.sum(a ** 2) for a in jax.tree.leaves(params))
+      return 3.0 * loss(params, xs, ts) + reg
+    return f
+
+  got = jax.jit(jax.value_and_grad(full(piped), argnums=(0, 1)))(params, table)
+  want = jax.value_and_grad(full(sequential_loss), argnums=(0, 1))(params, table)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_checkpointed_stage():
+  params, xs, ts = model(4, 8)
+  _check(pipelined_loss(4, stage_fn=jax.checkpoint(stage)), sequential_loss,
+         params, xs, ts)
+
+
+def test_integer_targets():
+  p, m = 2, 2
+  params, xs, _ = model(p, m)
+  labels = jnp.array([[1, 3], [0, 2]])
+
+  def xent(y, t):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(y), t[:, None], 1))
+
+  def piped(params, xs):
+    body = lambda q, x, t: pipeline_loss(stage, xent, q, x, t, axis="pp")
+    return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
+                         out_specs=P())(params, xs, labels)
+
+  def ref(params, xs):
+    def one(x, t):
+      for g in range(p):
+        x = stage(jax.tree.map(lambda a: a[g], params), x)
+      return xent(x, t)
+    return jnp.mean(jax.vmap(one)(xs, labels))
+
+  got = jax.jit(jax.value_and_grad(piped))(params, xs)
+  want = jax.value_and_grad(ref)(params, xs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_rows_are_the_live_activations():
+  """1F1B's rows a device keeps are flat in m; GPipe's grow with it."""
+  rows = lambda s, m: buffers.program(plan_lib.pipeline_schedule(
+      s, 4, m, send_ticks=1)).slots
+  assert rows("1f1b", 8) == rows("1f1b", 32) <= 2 * 4
+  assert rows("gpipe", 8) == 8 and rows("gpipe", 32) == 32
+
+
+def test_sends_are_futures_in_flight_over_the_next_tick():
+  """Each send is a ppermute future; with send_ticks=1 every one is finished
+  after the next tick, and where that tick computes (not all idle) its
+  compute (a switch, or the stage's matmul where every device runs one
+  branch) lies between start and done()."""
+  p, m = 4, 8
+  params, xs, ts = model(p, m)
+  prog = buffers.program(plan_lib.pipeline_schedule("1f1b", p, m, send_ticks=1))
+  sends = [(t, s) for t, tick in enumerate(prog.ticks)
+           for s in (tick.forward, tick.backward) if s is not None]
+  assert all(s.deferred for _, s in sends)
+  computing = [t for t, _ in sends
+               if set(prog.ticks[t + 1].branch) != {buffers.IDLE}]
+  assert len(computing) >= len(sends) - 3      # the drain's idle ticks
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(pipelined_loss(p)))(params, xs, ts)
+  eqns = _flat_eqns(jaxpr.jaxpr)
+  starts = [i for i, e in enumerate(eqns) if e.primitive.name == "collective_start"]
+  assert len(starts) == len(sends)
+  in_flight = 0
+  for i in starts:
+    out = eqns[i].outvars[0]
+    j = next(k for k, e in enumerate(eqns) if k > i and e.primitive.name
+             == "collective_done" and any(v is out for v in e.invars))
+    if any(e.primitive.name in ("cond", "dot_general") for e in eqns[i + 1:j]):
+      in_flight += 1
+  assert in_flight == len(computing)
+
+
+def _flat_eqns(jaxpr):
+  out = []
+  for e in jaxpr.eqns:
+    inner = e.params.get("jaxpr") or e.params.get("call_jaxpr") or e.params.get(
+        "fun_jaxpr")
+    if inner is not None and e.primitive.name != "cond":
+      out += _flat_eqns(getattr(inner, "jaxpr", inner))
+    else:
+      out.append(e)
+  return out
+
+
+class TestMisuse:
+
+  def _run(self, p=2, m=4, stage_fn=stage, params=None, **kw):
+    prm, xs, ts = model(p, m)
+    body = lambda q, x, t: pipeline_loss(stage_fn, mse, q, x, t, axis="pp", **kw)
+    return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
+                         out_specs=P())(prm if params is None else params, xs, ts)
+
+  def test_wrong_leading_axis(self):
+    prm, _, _ = model(2, 4)
+    with pytest.raises(ValueError, match=r"stage_params\['b'\].*virtual_stages=2"):
+      self._run(params=prm, schedule="interleaved", virtual_stages=2)
+
+  def test_too_few_microbatches(self):
+    with pytest.raises(ValueError, match="microbatches >= stages"):
+      self._run(p=4, m=2)
+
+  def test_stage_changing_the_shape(self):
+    with pytest.raises(ValueError, match=r"stage_fn must return .*float32\[2, 4\]"):
+      self._run(stage_fn=lambda prm, x: (x @ prm["w"])[:, :2])
+
+  def test_collective_over_the_axis(self):
+    with pytest.raises(ValueError, match="collective over the pipeline axis 'pp'"):
+      self._run(stage_fn=lambda prm, x: jax.lax.psum(stage(prm, x), "pp"))
+
+  def test_not_inside_shard_map(self):
+    prm, xs, ts = model(2, 4)
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+      pipeline_loss(stage, mse, prm, xs, ts, axis="pp")
+
+  def test_unknown_schedule(self):
+    with pytest.raises(ValueError, match="schedule='pipedream'"):
+      self._run(schedule="pipedream")
