@@ -1,0 +1,69 @@
+"""PP x FSDP: each stage an `fsdp_scan` over layers sharded on a second axis."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src.patterns.fsdp.scan import fsdp_scan
+from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout
+from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
+
+D, LAYERS, BATCH = 4, 2, 4
+
+
+def layer(x, w):
+  return jnp.tanh(x @ w)
+
+
+def mse(y, t):
+  return jnp.mean((y - t) ** 2)
+
+
+def _model(stages, m):
+  k = jax.random.split(jax.random.key(0), 3)
+  ws = jax.random.normal(k[0], (stages, LAYERS, D, D)) / 2
+  xs = jax.random.normal(k[1], (m, BATCH, D))
+  ts = jax.random.normal(k[2], (m, BATCH, D))
+  return ws, xs, ts
+
+
+def _reference(ws, xs, ts):
+  def one(x, t):
+    for g in range(ws.shape[0]):
+      for i in range(LAYERS):
+        x = layer(x, ws[g, i])
+    return mse(x, t)
+  return jnp.mean(jax.vmap(one)(xs, ts))
+
+
+def _pipelined(p, fsdp, schedule):
+  mesh = jax.make_mesh((p, fsdp), ("pp", "fsdp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:p * fsdp])
+
+  def stage(w, x):   # w: [LAYERS, D/fsdp, D], this device's shard
+    return fsdp_scan(layer, x, w, axis="fsdp", shard_dims=1)
+
+  def body(w, xs, ts):
+    loss = pipeline_loss(stage, mse, w, xs, ts, axis="pp", schedule=schedule)
+    return jax.lax.pmean(loss, "fsdp")
+
+  def loss(ws, xs, ts):
+    return jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(P("pp", None, "fsdp", None), P(None, "fsdp"), P(None, "fsdp")),
+        out_specs=P())(pipeline_stage_layout(ws, p), xs, ts)
+  return loss
+
+
+@pytest.mark.parametrize("p,fsdp,schedule", [(2, 2, "1f1b"), (2, 2, "zb-h1"),
+                                             (4, 2, "1f1b")])
+def test_pp_by_fsdp(p, fsdp, schedule):
+  ws, xs, ts = _model(p, 2 * p)
+  loss = _pipelined(p, fsdp, schedule)
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(ws, xs, ts)
+  want = jax.value_and_grad(_reference, argnums=(0, 1))(ws, xs, ts)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
