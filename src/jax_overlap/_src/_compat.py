@@ -81,8 +81,8 @@ def bind_eqn(eqn, invals: Sequence[Any]) -> list[Any]:
 
 #: jax >= 0.12 reads `Traced.lojax` and lowers high primitives through
 #: `to_lojax` at a DCE'd, cached stage. On 0.10.2 the hooks exist too, but a
-#: jit whose jaxpr holds a high primitive leaves the C++ fast path (about
-#: 200-500 us a call), so there we insert barriers in the MLIR lowering rule.
+#: jit whose jaxpr holds a high primitive leaves the C++ fast path (a cost on
+#: every call), so there we insert barriers in the MLIR lowering rule.
 USE_HIJAX = hasattr(core, "eval_jaxpr_p") and hasattr(pe, "lower_jaxpr2")
 
 
@@ -486,7 +486,7 @@ def register_linearize_rule(prim, rule: Callable):
 
 # --- the order in the compiled program -------------------------------------------
 
-# XLA's CPU pipeline before mid-2026 (jax 0.10.2, 0.11.0) runs its barrier
+# XLA's CPU pipeline of jax 0.10.2 and 0.11.0 runs its barrier
 # expander, the pass named "cse_barrier_expander", before fusion and
 # scheduling: the barriers are gone before they could order anything, and the
 # compiled schedule is the one of the undecorated program. Later CPU pipelines

@@ -2,7 +2,7 @@
 
 Invariant: code that works around a TPU or GPU compiler asks `applies(name,
 platform, device_kind)` here, never matches device kinds itself, and each
-row names the compiler versions it was measured on and the test that pins
+row names the compiler versions it is tested with and the test that pins
 it. The first time a row applies under a compiler version outside its range,
 the library still applies it and warns once, naming the version
 (tests/quirks_test.py). The compiler's version is read at run time from its
@@ -29,7 +29,7 @@ class Quirk:
   platform: str              # "tpu" or "gpu"
   device_kinds: frozenset | None   # device_kind strings; None: every one
   compiler: str              # a key of PACKAGES
-  tested: tuple[str, str]    # the versions measured, lowest and highest
+  tested: tuple[str, str]    # the versions tested, lowest and highest
   does: str                  # what the library does, and why
   test: str                  # the test that pins it
 

@@ -83,8 +83,10 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   # Else the order A -> C rests on that lost edge alone. A collective
   # matmul ring's first step starts a send, then casts the literal block
   # size to vary over the ring's axis (an input-free equation), then slices
-  # and multiplies the block: TPU v5p (libtpu 0.0.52) ran that matmul
-  # before the send started, leaving its window empty (tests/aot/).
+  # and multiplies the block: the TPU v5p compiler runs that matmul before
+  # the send starts unless it is fenced, leaving its window empty
+  # (tests/aot/real_compilers_test.py::
+  # test_collective_matmul_sends_behind_block_matmuls).
   prev_eqn, prev, prev_vals = None, None, None
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
@@ -141,7 +143,7 @@ class _Outputs(NamedTuple):
 
 
 def _is_constant(atom) -> bool:
-  """A literal, or a bare constant: jax 0.10.2's jax_remat3 leaves some
+  """A literal, or a bare constant: older jax's jax_remat3 leaves some
   arrays in a jaxpr's equations unwrapped (jax's own evaluator then fails on
   them; tests/fuzz_regressions_test.py)."""
   return isinstance(atom, core.Literal) or not isinstance(atom, core.Var)
