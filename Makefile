@@ -142,7 +142,7 @@ endef
 $(foreach v,$(AOT_OLDER),$(eval $(call aot_per_version,$(v))))
 
 # --- fuzzing --------------------------------------------------------------------
-# `make test` runs tests/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
+# `make test` runs tests/integration/fuzz_test.py on a fixed, derandomized budget; `make fuzz` runs N
 # new random programs per fuzz test (hypothesis prints how to reproduce a failure). Each
 # program is written to out/fuzz-last-program.py before it is compiled: if XLA takes the
 # process down, that file holds the program that did it.
@@ -152,7 +152,7 @@ N ?= 200
 fuzz: $(call stamp,$(NEWEST))
 	@mkdir -p out
 	JAX_OVERLAP_FUZZ_EXAMPLES=$(N) JAX_OVERLAP_FUZZ_LOG=out/fuzz-last-program.py \
-	  $(call venv,$(NEWEST))/bin/python -m pytest -q tests/fuzz_test.py \
+	  $(call venv,$(NEWEST))/bin/python -m pytest -q tests/integration/fuzz_test.py \
 	  --hypothesis-show-statistics $(PYTEST_ARGS)
 
 # --- demo, benchmarks ---------------------------------------------------------

@@ -1,9 +1,68 @@
-"""Test setup: 8 virtual CPU devices, configured here and never by the user."""
+"""Test setup: 8 virtual CPU devices, configured here and never by the user; the
+mesh fixtures the folders share; the markers (registered in pyproject.toml).
+
+Markers:
+- `newest_jax`: runs on the newest jax only (CI runs the suite on every
+  supported jax side by side, and its time budget holds one full copy). On
+  older jax the test is skipped, naming why; `newest_jax(older_jax=[names])`
+  on a module or class keeps the named tests (a test's full name, e.g.
+  `test_x[a-b]`, or its name before the parameters) on older jax too: the
+  older-jax subset.
+- `subprocess`: starts a Python process of its own (a fresh import, a second
+  process, a timeout around a crash). `-m "not subprocess"` leaves them out.
+- `slow`: takes more than about 20 s on one core. `-m "not slow"` for a
+  quick run.
+"""
 
 import os
+import pathlib
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# tests/support/ holds the modules tests in every folder import (lowered.py,
+# ragged_reference.py, meshes.py); it holds no tests.
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "support"))
+
+import meshes  # noqa: E402
+
+from jax_overlap._src import _compat  # noqa: E402
+
+#: The newest supported jax (0.12): the one with jax's high-level jaxprs.
+NEWEST_JAX = _compat.USE_HIJAX
+
+
+def pytest_collection_modifyitems(config, items):
+  if NEWEST_JAX:
+    return
+  reason = (f"runs on the newest jax only (jax 0.12; this is jax {jax.__version__}): "
+            "CI's time budget; the older-jax subset runs here")
+  for item in items:
+    marks = list(item.iter_markers("newest_jax"))
+    if not marks:
+      continue
+    kept = set().union(*(m.kwargs.get("older_jax", ()) for m in marks))
+    if item.name not in kept and getattr(item, "originalname", None) not in kept:
+      item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# --- meshes ------------------------------------------------------------------------
+# One-axis meshes with Auto axes, the context most tests run in; a file whose
+# meshes differ (explicit axes, several axes, per-case sizes) builds its own with
+# meshes.make.
+
+@pytest.fixture(scope="session")
+def mesh2():
+  """2 devices, axis "i"."""
+  return meshes.make((2,), ("i",))
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+  """8 devices, axis "i"."""
+  return meshes.make((8,), ("i",))

@@ -2,6 +2,11 @@
 real_compilers_test's OLDER_JAX_SUBSET on OLDER_JAX_TARGETS is collected."""
 
 import os
+import pathlib
+import sys
+
+# real_compilers_test compiles tests/ordering/schedule_test.py's bodies.
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "ordering"))
 
 
 def pytest_collection_modifyitems(config, items):

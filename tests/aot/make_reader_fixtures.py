@@ -1,6 +1,6 @@
 """Regenerates tests/fixtures/hlo/real/readers-*: scheduled modules from the
 real TPU compiler of forms the inspector's readers are tested on
-(tests/inspect_real_forms_test.py): a 32-layer fsdp_scan step (async
+(tests/inspection/inspect_real_forms_test.py): a 32-layer fsdp_scan step (async
 collective fusion chains, loops counted only in their conditions), nested and
 stepped loops, and the demo's transformer step (async slices). Each case
 writes `readers-<stem>.as_text.txt` and `readers-<stem>.after_optimizations.txt`
@@ -20,6 +20,8 @@ import sys
 from make_real_fixtures import compile_with_dump
 
 HERE = pathlib.Path(__file__).parent
+# What the child imports from beside tests/aot: lowered.py, schedule_test.py.
+TEST_PATHS = [str(HERE.parent / d) for d in ("support", "ordering")]
 OUT = HERE.parent / "fixtures" / "hlo" / "real"
 #: stem -> (target, function in this file making (fn, args)).
 READER_CASES = {
@@ -29,7 +31,7 @@ READER_CASES = {
 }
 _CHILD = """
 import sys
-sys.path[:0] = [{aot!r}, {tests!r}]
+sys.path[:0] = [{aot!r}, *{tests!r}]
 import make_reader_fixtures as mf
 import real_compilers_test as rt
 fn, args = getattr(mf, {function!r})(rt.target({target!r}))
@@ -110,7 +112,7 @@ def main() -> int:
   for name in chosen:
     target, function = READER_CASES[name]
     stem = OUT / f"readers-{name}"
-    code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
+    code = _CHILD.format(aot=str(HERE), tests=TEST_PATHS, target=target,
                          function=function, out=f"{stem}.as_text.txt")
     run = compile_with_dump(code, stem)
     if run.returncode:

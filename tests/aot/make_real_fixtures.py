@@ -43,6 +43,8 @@ import sys
 import tempfile
 
 HERE = pathlib.Path(__file__).parent
+# What the child imports from beside tests/aot: lowered.py, schedule_test.py.
+TEST_PATHS = [str(HERE.parent / d) for d in ("support", "ordering")]
 OUT = HERE.parent / "fixtures" / "hlo" / "real"
 PROGRAMS = {  # name -> (PROGRAMS key, extra args)
     "fsdp_scan_forward": ("fsdp", (False,)),
@@ -59,7 +61,7 @@ PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt",
 
 _CHILD = """
 import sys
-sys.path[:0] = [{aot!r}, {tests!r}]
+sys.path[:0] = [{aot!r}, *{tests!r}]
 import real_compilers_test as rt
 import contextlib
 t = rt.target({target!r}, explicit={key!r} in rt.EXPLICIT_PROGRAMS)
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
   for prefix, target in targets.items():
     for name, (key, extra) in programs.items():
       stem = OUT / f"{prefix}_{name}-jax{version}"
-      code = _CHILD.format(aot=str(HERE), tests=str(HERE.parent), target=target,
+      code = _CHILD.format(aot=str(HERE), tests=TEST_PATHS, target=target,
                            key=key, extra=extra, out=f"{stem}.as_text.txt")
       run = compile_with_dump(code, stem)
       if run.returncode:

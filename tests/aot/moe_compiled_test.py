@@ -24,7 +24,7 @@ import functools
 import re
 import warnings
 
-import compilers  # first: sets JAX_PLATFORMS=cpu before jax starts
+import compilers  # noqa: F401 - first: sets JAX_PLATFORMS=cpu before jax starts
 import jax
 import jax.numpy as jnp
 import pytest

@@ -219,7 +219,7 @@ def collective_matmul_program(t, which, grad):
 
 
 def fsdp_explicit_program(t, grad):
-  """fsdp_scan on an Explicit mesh (no shard_map), as tests/fsdp_test.py's
+  """fsdp_scan on an Explicit mesh (no shard_map), as tests/patterns/fsdp/fsdp_test.py's
   explicit context: the weights sharded over "x", lowered in `jax.set_mesh`."""
   def loss(x, ps):
     return jax_overlap.fsdp_scan(_layer, x, ps, axis="x").sum()
@@ -285,7 +285,7 @@ def _async(text, kind):
 # --- the written order ------------------------------------------------------------
 
 def written_order_kept(name, variants=(False, True)):
-  """tests/schedule_test.py's bodies compiled for `name`: {(case, ordered):
+  """tests/ordering/schedule_test.py's bodies compiled for `name`: {(case, ordered):
   (whether the scheduled order is the written one, the scheduled markers)},
   for the undecorated (False) and program_order (True) `variants`."""
   import lowered

@@ -77,7 +77,7 @@ def windows(text: str) -> list[Window]:
 
   The pairs are the library's inspector's (`read_schedule`, which follows a
   start's value, or a TPU fusion chain's state, to its done; itself tested
-  on the committed real texts in tests/inspect_real_forms_test.py); what lies
+  on the committed real texts in tests/inspection/inspect_real_forms_test.py); what lies
   between and which of it is a matmul are read here, from the text. A second
   pairing here, walking back from a done through every operand, mis-paired
   TPU chains: from a continuation fusion it followed the fused compute's
@@ -118,7 +118,7 @@ _SAME_OP = {"convolution": "dot"}
 def scheduled_markers(text: str, markers) -> list:
   """The `markers` (HLO opcodes) in the order the entry computation runs them.
 
-  As tests/lowered.py's, for TPU and GPU texts: a fusion or call counts as
+  As tests/support/lowered.py's, for TPU and GPU texts: a fusion or call counts as
   the markers inside it (a sorted tuple when it holds several), a while loop
   as its body's markers at its place; a TPU convolution is a "dot".
   """

@@ -146,9 +146,8 @@ def _moe_cell(mc, text, warned, kind, grad):
 
 def child(name: str) -> None:
   """Prints one JSON line a cell for target `name`, as each is made."""
-  sys.path[:0] = [str(HERE), str(HERE.parent)]
+  sys.path[:0] = [str(HERE), str(HERE.parent / "support"), str(HERE.parent / "ordering")]
   import real_compilers_test as rt  # noqa: PLC0415
-  import schedule  # noqa: PLC0415
   import schedule_test as st  # noqa: PLC0415
   import moe_compiled_test as mc  # noqa: PLC0415
   rt.PROGRAMS.setdefault("moe", mc.moe_program)

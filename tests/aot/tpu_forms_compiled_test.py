@@ -12,7 +12,7 @@ with each form finished where it starts; on v5p several are finished at once).
 On v5p all_gather_start and psum_scatter_start are instead N-1
 collective-permutes in flight at once (collectives/permute_forms.py), with
 `xla_max_concurrent_async_collective_permutes` raised. Values are checked on
-CPU in tests/tpu_forms_test.py and tests/permute_forms_test.py; here, the
+CPU in tests/collectives/tpu_forms_test.py and tests/collectives/permute_forms_test.py; here, the
 compile and the schedule.
 """
 

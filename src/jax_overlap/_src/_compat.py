@@ -367,7 +367,7 @@ _REMAT_TRACE_HAS_CUSTOM_VJP_RULES = (
     "custom_vjp_rules" in inspect.signature(_remat.RematTrace.__init__).parameters)
 # `rem` takes the residuals first where the rule returns them: the jax whose
 # RematTrace takes custom_vjp rules and whose ad has `vjp_node` (0.12), by
-# features, not by reading jax's source (tests/compat_test.py pins it on
+# features, not by reading jax's source (tests/integration/compat_test.py pins it on
 # each version).
 def _remat_rule_returns_residuals() -> bool:
   from jax._src.interpreters import ad  # noqa: PLC0415

@@ -6,7 +6,7 @@ Invariant: until `install()` runs, `pxla.create_compile_options` and
 the library compiles as it would without it; once installed, a module the
 library does not own (`owns`) passes through at once. Why one hook: three
 patches at import made every user's compile go through the library. Pinned
-by tests/compile_hook_test.py (in a fresh process).
+by tests/ordering/compile_hook_test.py (in a fresh process).
 
 What it does for a module the library owns:
 - `options` hooks add XLA options to its compile (the user's

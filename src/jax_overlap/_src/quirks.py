@@ -5,7 +5,7 @@ platform, device_kind)` here, never matches device kinds itself, and each
 row names the compiler versions it is tested with and the test that pins
 it. The first time a row applies under a compiler version outside its range,
 the library still applies it and warns once, naming the version
-(tests/quirks_test.py). The compiler's version is read at run time from its
+(tests/ordering/quirks_test.py). The compiler's version is read at run time from its
 installed package.
 """
 

@@ -1,6 +1,6 @@
 """`overlap_report(fn, hardware=..., schedule=...)(*args)`: the overlap
 report of a function, compiled here or as written; `inspect(fn, *args)` is
-its deprecated alias. Pinned by tests/report_api_test.py."""
+its deprecated alias. Pinned by tests/inspection/report_api_test.py."""
 
 from __future__ import annotations
 

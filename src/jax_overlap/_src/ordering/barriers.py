@@ -145,7 +145,7 @@ class _Outputs(NamedTuple):
 def _is_constant(atom) -> bool:
   """A literal, or a bare constant: older jax's jax_remat3 leaves some
   arrays in a jaxpr's equations unwrapped (jax's own evaluator then fails on
-  them; tests/fuzz_regressions_test.py)."""
+  them; tests/integration/fuzz_regressions_test.py)."""
   return isinstance(atom, core.Literal) or not isinstance(atom, core.Var)
 
 

@@ -1,7 +1,7 @@
 """`measure(fn, steps=..., warmup=...)(*args)`: run a jitted function under
 jax's profiler and report what its collectives measured, beside the modelled
 report of the same module; `measure(fn, *args, steps=...)` is its deprecated
-form. Pinned by tests/measure_test.py and tests/report_api_test.py."""
+form. Pinned by tests/inspection/measure_test.py and tests/inspection/report_api_test.py."""
 
 from __future__ import annotations
 
