@@ -10,6 +10,18 @@ from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import FutureState
 
 
+def one_bound_axis(axis_name) -> tuple[str, int] | None:
+  """(name, size) of the one named mesh axis `axis_name` gives, bound in the
+  current trace; None for several or positional axes, or an unbound name."""
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if len(names) != 1 or not isinstance(names[0], str):
+    return None
+  try:
+    return names[0], jax.lax.axis_size(names[0])
+  except Exception:  # noqa: BLE001 - not a bound axis: none
+    return None
+
+
 class Comm:
   """Static description of one collective: a primitive param.
 

@@ -46,7 +46,7 @@ from jax._src import source_info_util
 from jax._src import traceback_util
 
 from jax_overlap._src import _compat, quirks
-from jax_overlap._src.collectives.comm import Comm, trace_sync
+from jax_overlap._src.collectives.comm import Comm, one_bound_axis, trace_sync
 from jax_overlap._src.collectives.composed import ComposedFuture
 from jax_overlap._src.collectives.future import Future, FutureState
 from jax_overlap._src.collectives.primitives import finish, start
@@ -71,13 +71,6 @@ def wanted(name: str) -> bool:
     return True
   platform, kind = _compat.trace_device()
   return quirks.applies("tpu-permute-forms", platform, kind)
-
-
-def _one_mesh_axis(axis_name):
-  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if len(names) != 1 or not isinstance(names[0], str):
-    return None
-  return names[0]
 
 
 def _mesh_axes() -> tuple:
@@ -138,13 +131,10 @@ def compose(name: str, params: dict, x, where: str) -> Future | None:
   platform, several or positional axes, a shape it cannot split)."""
   if params is None or not wanted(name):
     return None
-  axis = _one_mesh_axis(params.get("axis_name"))
-  if axis is None:
+  bound = one_bound_axis(params.get("axis_name"))
+  if bound is None:
     return None
-  try:
-    n = lax.axis_size(axis)
-  except Exception:  # noqa: BLE001 - not a bound axis: no form
-    return None
+  axis, n = bound
   if not FORCE and axis not in _mesh_axes():
     return None   # a vmap axis: the plain future
   if n < 2 or x.size == 0:

@@ -80,13 +80,6 @@ class Form(NamedTuple):
   sync: object = None
 
 
-def _one_axis(axis_name):
-  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if len(names) != 1 or not isinstance(names[0], str):
-    return None
-  return names[0]
-
-
 def _exchange(buf, axis, copies=False):
   """The rank-3 all-to-all over the major dimension (what TPU makes async):
   buf[j] goes to device j, and slot j of the result comes from device j."""
@@ -192,13 +185,10 @@ def trace_form(name: str, params: dict, x) -> Form | None:
 
 
 def _trace_form(name: str, params: dict, x) -> Form | None:
-  axis = _one_axis(params.get("axis_name"))
-  if axis is None:
+  bound = comm_lib.one_bound_axis(params.get("axis_name"))
+  if bound is None:
     return None
-  try:
-    n = lax.axis_size(axis)
-  except Exception:  # noqa: BLE001 - not a bound mesh axis: no form
-    return None
+  axis, n = bound
   x = jnp.asarray(x)
   if name == "psum_scatter":
     d = params["scatter_dimension"] % max(x.ndim, 1)
