@@ -9,7 +9,7 @@ timing, a load average or a test-run count. Version facts the code depends
 on are allowed where they belong: compiler builds in `_src/quirks.py`'s
 table, jax versions in `_src/_compat.py` and `_src/quirks.py`.
 
-Usage: python tools/history_lines.py [ROOT]   (ROOT defaults to src/)
+Usage: python tools/history_lines.py [ROOT]   (ROOT: the repository's src/)
 Prints `path:line: text` per line, then the count; exits 1 if any.
 """
 
@@ -32,6 +32,7 @@ HISTORY = re.compile(
 #: Version numbers, allowed only in the files that hold version facts.
 VERSIONS = re.compile(r"\bjax \d+\.\d+\.\d+|\blibtpu \d|\bplugin \d")
 VERSION_FILES = {"_compat.py", "quirks.py"}
+_REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def offending(root: pathlib.Path):
@@ -40,21 +41,23 @@ def offending(root: pathlib.Path):
     if path.suffix not in (".py", ".md") or ".egg-info" in str(path):
       continue
     lines = path.read_text(encoding="utf-8").splitlines()
+    versions_allowed = path.name in VERSION_FILES
     for number, line in enumerate(lines, 1):
       text = line.strip()
-      if path.name in VERSION_FILES:
-        text_checked = VERSIONS.sub("", text)
+      if versions_allowed:
+        found = HISTORY.search(VERSIONS.sub("", text))
       else:
-        text_checked = VERSIONS.sub("libtpu 0", text)
-      if HISTORY.search(text_checked):
+        found = HISTORY.search(text) or VERSIONS.search(text)
+      if found:
         yield path, number, text
 
 
 def main(argv: list[str]) -> int:
-  root = pathlib.Path(argv[1] if len(argv) > 1 else "src")
+  root = pathlib.Path(argv[1]).resolve() if len(argv) > 1 else _REPO / "src"
   found = list(offending(root))
   for path, number, text in found:
-    print(f"{path}:{number}: {text}")
+    shown = path.relative_to(_REPO) if path.is_relative_to(_REPO) else path
+    print(f"{shown}:{number}: {text}")
   print(f"{len(found)} history line(s) under {root}")
   return 1 if found else 0
 
