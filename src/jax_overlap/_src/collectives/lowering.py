@@ -451,11 +451,13 @@ def _to_custom_call_pair(ctx, op, comm, *, split):
     called = [_reducer_func(ctx, op)]
   result = op.results[0]
   # XLA's CSE compares a custom call's target, operands and backend_config,
-  # not its frontend attributes, where the permutation and channel are: two
-  # ppermute starts of one operand (a gather's parts, permute_forms.py; a
-  # value sent both ways) were merged into one, on TPU and H100 alike, and
-  # every result then came from one permutation. The config as the backend
-  # config too keeps them apart.
+  # not its frontend attributes, where the permutation and channel are: it
+  # merges two ppermute starts of one operand (a gather's parts,
+  # permute_forms.py; a value sent both ways) into one, on TPU and H100
+  # alike, and every result then comes from one permutation. The config as
+  # the backend config too keeps them apart
+  # (tests/aot/real_compilers_test.py::
+  # test_two_ppermute_futures_of_one_value_stay_two).
   apart = json.dumps(cfg) if name == "collective-permute" else ""
   with ir.InsertionPoint(op):
     started = mlir.custom_call(
