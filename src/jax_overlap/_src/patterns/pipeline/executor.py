@@ -27,8 +27,10 @@ from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
 
 def execute(plan: PipelinePlan, stage_fn: Callable, loss_fn: Callable,
             params: Any, xs, targets, axis, *, with_grads: bool):
-  """The mean loss and, with_grads, the gradients of it with respect to
-  `params` (this device's chunks) and `xs` (each typed as its primal)."""
+  """The mean loss and, with_grads, this device's parts of its gradients
+  with respect to `params` (its chunks) and `xs`: each part varies over
+  every axis an input does, and `reduce_like` sums it to its primal's type
+  (after the loss's cotangent scales it: that may vary too)."""
   prog = _buffers.program(plan)
   m = plan.microbatches
   axes = _all_axes((params, xs, targets), axis)
@@ -63,8 +65,7 @@ def execute(plan: PipelinePlan, stage_fn: Callable, loss_fn: Callable,
   loss = jax.lax.psum(state["loss"], axis) / m   # only the last stage's is not 0
   if not with_grads:
     return loss
-  grads = jax.tree.map(lambda g, a: _reduce(g, a, axes), state["grads"], params)
-  return loss, grads, _reduce(state["dxs"], xs, axes)
+  return loss, state["grads"], state["dxs"]
 
 
 def _all_axes(tree, axis) -> tuple:
@@ -74,11 +75,12 @@ def _all_axes(tree, axis) -> tuple:
   return tuple(sorted(axes, key=str))
 
 
-def _reduce(value, like, axes):
+def reduce_like(value, like):
   """`value` summed over the axes it varies over and `like` does not (a
   gradient of a replicated input sums every device's part)."""
-  extra = tuple(a for a in axes if a in _varying.varying(value)
-                and a not in _varying.varying(like))
+  have = _varying.varying(like)
+  extra = tuple(sorted((a for a in _varying.varying(value) if a not in have),
+                       key=str))
   return jax.lax.psum(value, extra) if extra else value
 
 

@@ -17,7 +17,7 @@ import jax
 
 from jax_overlap._src.patterns.pipeline import checks as _checks
 from jax_overlap._src.patterns.pipeline import plan as _plan
-from jax_overlap._src.patterns.pipeline.executor import execute
+from jax_overlap._src.patterns.pipeline.executor import execute, reduce_like
 
 
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
@@ -81,13 +81,14 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   def run_fwd(params, xs, targets):
     loss, grads, dxs = execute(plan, stage_fn, loss_fn, params, xs, targets,
                                axis, with_grads=True)
-    return loss, (grads, dxs)
+    return loss, (grads, dxs, params, xs)
 
   def run_bwd(res, ct):
-    grads, dxs = res
-    scale = lambda g: (ct * g).astype(g.dtype)
+    grads, dxs, params, xs = res
+    # each device's part scaled by its own cotangent, then summed
+    scale = lambda g, like: reduce_like((ct * g).astype(g.dtype), like)
     # targets get no gradient (None: a zero cotangent, integer labels too)
-    return jax.tree.map(scale, grads), scale(dxs), None
+    return jax.tree.map(scale, grads, params), scale(dxs, xs), None
 
   run.defvjp(run_fwd, run_bwd)
   return run(stage_params, xs, targets)
