@@ -56,14 +56,19 @@ def empty_stats(q) -> Stats:
 
 
 def mask(causal: bool, sq: int, sk: int, q_seg=None, k_seg=None,
-         k_offset=0):
+         k_offset=0, positions=None):
   """Where queries 0..sq-1 may see keys k_offset..k_offset+sk-1 of a block
   aligned with them (causal: key position <= query position), and where
-  their segment ids are equal; None where every key is seen."""
+  their segment ids are equal; None where every key is seen. `positions`:
+  (query positions (sq,), key positions (sk,)) to compare instead, for
+  blocks that are not aligned."""
   out = None
   if causal:
-    k_pos = k_offset + jnp.arange(sk)
-    out = (jnp.arange(sq)[:, None] >= k_pos[None, :])[None, :, None, None, :]
+    if positions is None:
+      q_pos, k_pos = jnp.arange(sq), k_offset + jnp.arange(sk)
+    else:
+      q_pos, k_pos = positions
+    out = (q_pos[:, None] >= k_pos[None, :])[None, :, None, None, :]
   if q_seg is not None:
     same = (q_seg[:, :, None] == k_seg[:, None, :])[:, :, None, None, :]
     out = same if out is None else out & same
@@ -128,43 +133,60 @@ def _join(a):
   return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
+def _key_positions(positions, n: int):
+  """Key positions split as `_split` splits keys, or None."""
+  if positions is None:
+    return None
+  return positions[1].reshape(n, -1)
+
+
+def _block_positions(positions, k_pos):
+  return None if positions is None else (positions[0], k_pos)
+
+
 def block_forward(stats: Stats, q, k, v, *, causal: bool, scale: float,
-                  q_seg=None, k_seg=None) -> Stats:
+                  q_seg=None, k_seg=None, positions=None) -> Stats:
   """`stats` updated with the keys `k`, `v` (a block aligned with `q`'s
-  when `causal`: key i is at the position of query i)."""
+  when `causal`: key i is at the position of query i, unless `positions`
+  gives both blocks' positions)."""
   n = _key_blocks(k.shape[1])
   if n == 1:
     return _update(stats, q, k, v, mask(causal, q.shape[1], k.shape[1],
-                                        q_seg, k_seg), scale)
+                                        q_seg, k_seg, positions=positions),
+                   scale)
   size = k.shape[1] // n
 
   def body(stats, xs):
-    j, kb, vb, sb = xs
-    where = mask(causal, q.shape[1], size, q_seg, sb, k_offset=j * size)
+    j, kb, vb, sb, pb = xs
+    where = mask(causal, q.shape[1], size, q_seg, sb, k_offset=j * size,
+                 positions=_block_positions(positions, pb))
     return _update(stats, q, kb, vb, where, scale), None
   stats, _ = jax.lax.scan(
       body, stats, (jnp.arange(n), _split(k, n), _split(v, n),
-                    _split(k_seg, n)))
+                    _split(k_seg, n), _key_positions(positions, n)))
   return stats
 
 
 def block_backward(q, k, v, do, lse, delta, *, causal: bool, scale: float,
-                   q_seg=None, k_seg=None):
+                   q_seg=None, k_seg=None, positions=None):
   """(dq, dk, dv) of this block's part of the attention, float32."""
   n = _key_blocks(k.shape[1])
   if n == 1:
-    where = mask(causal, q.shape[1], k.shape[1], q_seg, k_seg)
+    where = mask(causal, q.shape[1], k.shape[1], q_seg, k_seg,
+                 positions=positions)
     return _block_grads(q, k, v, do, lse, delta, where, scale)
   size = k.shape[1] // n
 
   def body(dq, xs):
-    j, kb, vb, sb = xs
-    where = mask(causal, q.shape[1], size, q_seg, sb, k_offset=j * size)
+    j, kb, vb, sb, pb = xs
+    where = mask(causal, q.shape[1], size, q_seg, sb, k_offset=j * size,
+                 positions=_block_positions(positions, pb))
     dqb, dkb, dvb = _block_grads(q, kb, vb, do, lse, delta, where, scale)
     return dq + dqb, (dkb, dvb)
   dq, (dk, dv) = jax.lax.scan(
       body, zeros_like_varying(q.shape, q),
-      (jnp.arange(n), _split(k, n), _split(v, n), _split(k_seg, n)))
+      (jnp.arange(n), _split(k, n), _split(v, n), _split(k_seg, n),
+       _key_positions(positions, n)))
   return dq, _join(dk), _join(dv)
 
 
