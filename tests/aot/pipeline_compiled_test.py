@@ -1,0 +1,71 @@
+"""pipeline_loss on the real TPU v5e and H100 compilers, ahead of time.
+
+4 stages x 2 data-parallel devices, m = 8: every stage-to-stage send is a
+`ppermute_start` future, and each compiles to an async collective-permute
+pair with compute (a gemm or fusion) between its start and done."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_overlap
+from compilers import target
+from schedule import windows
+
+D, BATCH, M, STAGES = 256, 64, 8, 4
+
+
+def _stage(w, x):
+  return jnp.tanh(x @ w["a"]) @ w["b"]
+
+
+def _mse(y, t):
+  return jnp.mean((y - t) ** 2)
+
+
+def _step_text(name, schedule, v=1, m=M):
+  tgt = target(name)
+  mesh = Mesh(np.array(tgt.mesh.devices).reshape(STAGES, -1), ("pp", "dp"))
+
+  def loss(w, xs, ts):
+    def body(w, xs, ts):
+      l = jax_overlap.pipeline_loss(_stage, _mse, w, xs, ts, axis="pp",
+                                    schedule=schedule, virtual_stages=v)
+      return jax.lax.pmean(l, "dp")
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(P("pp"), P(None, "dp"), P(None, "dp")),
+                         out_specs=P())(w, xs, ts)
+
+  def sd(shape, spec):
+    return jax.ShapeDtypeStruct(shape, jnp.float32,
+                                sharding=NamedSharding(mesh, spec))
+  w = {"a": sd((STAGES * v, D, D), P("pp")), "b": sd((STAGES * v, D, D), P("pp"))}
+  xs, ts = sd((m, BATCH, D), P(None, "dp")), sd((m, BATCH, D), P(None, "dp"))
+  return jax.jit(jax.value_and_grad(loss)).lower(w, xs, ts).compile().as_text()
+
+
+def permute_windows(text):
+  """(async collective-permute pairs, of them with compute between)."""
+  pairs = [w for w in windows(text) if w.kind == "collective-permute"]
+  computing = [w for w in pairs if any(
+      i.is_matmul or i.opcode in ("fusion", "custom-call", "convolution",
+                                  "conditional") for i in w.between)]
+  return pairs, computing
+
+
+CASES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpu_h100", "tpu_v5e"])
+@pytest.mark.parametrize("schedule,v", CASES)
+def test_each_send_is_an_async_pair_around_compute(name, schedule, v):
+  text = _step_text(name, schedule, v)
+  pairs, computing = permute_windows(text)
+  gemm = sum(w.matmuls > 0 for w in pairs)
+  print(f"{name} {schedule}: {len(pairs)} async permute pairs, "
+        f"{len(computing)} with compute between ({gemm} a matmul)")
+  assert pairs, "no async collective-permute"
+  assert len(computing) >= len(pairs) - 3   # the drain's idle ticks
