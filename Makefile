@@ -2,6 +2,7 @@
 #
 #   make test          the test suite on the newest supported jax this machine can run
 #   make test-all      the test suite on every supported jax (0.10.2, 0.11.0, 0.12.0.1)
+#   make lint          ruff over the repository (its settings: pyproject.toml's [tool.ruff])
 #   make test-jaxX     the test suite on jax X alone
 #   make fuzz N=500    the differential fuzz tests on N random programs each, on the newest jax
 #   make demo          `jax-overlap demo` on the newest jax (DEMO_ARGS: e.g. --steps 50)
@@ -16,7 +17,9 @@
 #   make venvs         create/refresh every venv without testing
 #   make clean         remove the venvs and build leftovers
 #
-# Variables: PYTEST_ARGS (extra pytest arguments), CONFORMANCE_ARGS (e.g. --lift-gates),
+# Variables: PYTEST_ARGS (extra pytest arguments), PYTEST_XDIST (pytest worker processes
+# for the test targets: a number, `auto` (the default: one a core) or 0 for one process
+# without xdist), CONFORMANCE_ARGS (e.g. --lift-gates),
 # DEMO_ARGS (e.g. --steps 50), BENCH_ARGS (e.g. --quick), BENCH_AOT_ARGS (e.g. --layers 4),
 # BENCH_MOE_ARGS (e.g. --targets gpu_h100 tpu_v5e), N (random programs per fuzz
 # test), PY311 / PY312 (override the interpreters found below).
@@ -78,20 +81,35 @@ venvs: $(STAMPS)
 
 # --- tests --------------------------------------------------------------------
 # pytest's exit status (5 when no test was collected) is the recipe's own status.
+#
+# The tests are spread over PYTEST_XDIST worker processes (pytest-xdist), a test file a
+# worker at a time (--dist loadfile: a file's jit caches and module fixtures are built once,
+# in one process). One pytest process keeps at most one core busy (XLA:CPU compiles on one
+# thread), so on the 2-core machine `auto` (2 workers) halves `make test`'s time. .ci/run
+# passes PYTEST_XDIST=0: it already runs four test steps side by side on those 2 cores, and
+# workers on top would only make them wait for each other.
+PYTEST_XDIST ?= auto
+XDIST_ARGS = $(if $(filter 0,$(PYTEST_XDIST)),-p no:xdist,-n $(PYTEST_XDIST) --dist loadfile)
+
 .PHONY: test test-all
 test: $(call stamp,$(NEWEST))
-	$(call venv,$(NEWEST))/bin/python -m pytest -q tests $(PYTEST_ARGS)
+	$(call venv,$(NEWEST))/bin/python -m pytest -q $(XDIST_ARGS) tests $(PYTEST_ARGS)
 
 test-all: $(foreach v,$(JAX_VERSIONS),test-jax$(v))
 
 define per_version
 .PHONY: test-jax$(1) bench-jax$(1)
 test-jax$(1): $(call stamp,$(1))
-	$(call venv,$(1))/bin/python -m pytest -q tests $$(PYTEST_ARGS)
+	$(call venv,$(1))/bin/python -m pytest -q $$(XDIST_ARGS) tests $$(PYTEST_ARGS)
 bench-jax$(1): $(call stamp,$(1))
 	$(call venv,$(1))/bin/python benchmarks/bench.py $$(BENCH_ARGS)
 endef
 $(foreach v,$(JAX_VERSIONS),$(eval $(call per_version,$(v))))
+
+# --- lint ---------------------------------------------------------------------
+.PHONY: lint
+lint: $(call stamp,$(NEWEST))
+	$(call venv,$(NEWEST))/bin/ruff check .
 
 # --- the real TPU and GPU compilers, ahead of time ---------------------------------
 # .venv-aot: jax 0.12.0.1 plus libtpu and the CUDA compile wheels (the `aot` extra, about

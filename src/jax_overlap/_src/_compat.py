@@ -20,7 +20,6 @@ import numpy as np
 from jax._src import core
 from jax._src import source_info_util
 from jax._src.interpreters import mlir
-from jax._src.interpreters import pxla
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 from jax._src.lib.mlir import ir

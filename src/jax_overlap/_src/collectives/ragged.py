@@ -16,10 +16,8 @@ stacked along rows (`operand` first), and the four integer arrays beside it
 
 from __future__ import annotations
 
-import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 _INT_ARGS = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
 

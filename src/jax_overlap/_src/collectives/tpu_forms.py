@@ -40,10 +40,8 @@ import functools
 import math
 from typing import NamedTuple
 
-import jax
 from jax import lax
 import jax.numpy as jnp
-from jax._src import core
 
 from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives import comm as comm_lib

@@ -22,7 +22,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_overlap._src.demo import corpus as corpus_lib
 from jax_overlap._src.demo import model
 
 AXIS = "d"

@@ -375,7 +375,7 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
   layer = _Layer(transfer, w0)
   fn = lambda y_bar, pw: backward(pw[0], pw[1], y_bar)
   traced = _trace(fn, x_bar, (saved0, w0))
-  order, n_x = traced.order, traced.n_x
+  order = traced.order
   outs = traced.jaxpr.outvars
   n_xbar = len(outs) - len(jax.tree.leaves(w0))
   g_vars = outs[n_xbar:]

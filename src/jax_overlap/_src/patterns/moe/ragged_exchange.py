@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 
