@@ -16,6 +16,7 @@ and with --count the number of times each variant's step traces the layer.
   python benchmarks/bench_first_call.py --layers 4 8 --reps 3
   python benchmarks/bench_first_call.py --layers 8 --profile fsdp   # cProfile of the trace
   python benchmarks/bench_first_call.py --layers 2 --reps 1 --eager 3  # eager calls
+  .venv-aot/bin/python benchmarks/bench_first_call.py --target tpu_v5e  # a real compiler
 
 Results and their reading: docs/real-clients.md.
 """
@@ -35,8 +36,12 @@ B, T, D, F = 16, 16, 64, 256   # batch, sequence, width, MLP width
 
 
 def _worker(variant: str, n_layers: int, profile: bool,
-            fsdp_kw: dict, eager: int = 0) -> dict:
+            fsdp_kw: dict, eager: int = 0, target: str = "cpu") -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if target != "cpu":
+    # The real compilers, ahead of time (tests/aot/compilers.py's targets).
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "aot"))
+    import compilers  # noqa: PLC0415
   import jax  # noqa: PLC0415
   jax.config.update("jax_num_cpu_devices", 8)
   import jax.numpy as jnp  # noqa: PLC0415
@@ -68,7 +73,11 @@ def _worker(variant: str, n_layers: int, profile: bool,
     h = ln(x, w["ln2"])
     return x + dropout(k2, jax.nn.gelu(h @ w["w1"]) @ w["w2"])
 
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  if target == "cpu":
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  else:
+    from jax.sharding import Mesh  # noqa: PLC0415
+    mesh = Mesh(compilers.target(target).mesh.devices, ("d",))
   ks = jax.random.split(jax.random.key(0), 7)
   r = lambda k, s: jax.random.normal(k, (n_layers,) + s) * 0.05
   params = {"wq": r(ks[0], (D, D)), "wk": r(ks[1], (D, D)),
@@ -78,10 +87,14 @@ def _worker(variant: str, n_layers: int, profile: bool,
   dims = {k: (None if k.startswith("ln") else 1) for k in params}
   specs = {k: (P() if d is None else P(None, "d")) for k, d in dims.items()}
   x = jax.random.normal(ks[6], (B, T, D))
-  shard = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  if target == "cpu":
+    shard = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  else:   # nothing runs: abstract arguments laid out over the target's devices
+    shard = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                              sharding=NamedSharding(mesh, s))
   params = {k: shard(v, specs[k]) for k, v in params.items()}
   x = shard(x, P("d"))
-  key = jax.random.key(1)
+  key = shard(jax.random.key(1), P())
 
   def stack_plain(x, full, keys):
     y, _ = lax.scan(lambda x, wk: (layer(x, *wk), None), x, (full, keys))
@@ -111,7 +124,15 @@ def _worker(variant: str, n_layers: int, profile: bool,
   loss = {"jit": loss_jit, "smap": local_loss(smap_body),
           "fsdp": local_loss(fsdp_body)}[variant]
   opt = optax.adamw(1e-3)
-  opt_state = opt.init(params)
+  if target == "cpu":
+    opt_state = opt.init(params)
+  else:
+    init = jax.jit(opt.init).lower(params).compile()
+    opt_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(   # (a new scalar: replicated)
+            a.shape, a.dtype, sharding=s if isinstance(s, NamedSharding)
+            else NamedSharding(mesh, P())),
+        jax.eval_shape(opt.init, params), init.output_shardings)
 
   def step(params, opt_state, x, key):
     value, grads = jax.value_and_grad(loss)(params, x, key)
@@ -143,7 +164,8 @@ def _worker(variant: str, n_layers: int, profile: bool,
     profiler.disable()
   compiled = lowered.compile()
   t3 = time.perf_counter()
-  jax.block_until_ready(compiled(params, opt_state, x, key))
+  if target == "cpu":
+    jax.block_until_ready(compiled(params, opt_state, x, key))
   text = lowered.as_text()
   out.update(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2,
              layer_traces=traces[0],
@@ -159,9 +181,9 @@ def _worker(variant: str, n_layers: int, profile: bool,
 
 
 def _run(variant: str, n_layers: int, profile: bool = False,
-         fsdp_kw: str = "{}", eager: int = 0) -> dict:
+         fsdp_kw: str = "{}", eager: int = 0, target: str = "cpu") -> dict:
   cmd = [sys.executable, __file__, "--worker", variant, str(n_layers),
-         "--fsdp-kw", fsdp_kw, "--eager", str(eager)]
+         "--fsdp-kw", fsdp_kw, "--eager", str(eager), "--target", target]
   if profile:
     cmd.append("--profile-worker")
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -183,6 +205,10 @@ def main() -> None:
   ap.add_argument("--eager", type=int, default=0, metavar="CALLS",
                   help="instead: CALLS eager (unjitted) value_and_grad calls "
                   "of the smap and fsdp losses; medians of all but the first")
+  ap.add_argument("--target", default="cpu",
+                  help="cpu (compile and run here), or a real compiler run "
+                  "ahead of time: gpu_h100, tpu_v5e, ... (tests/aot/compilers.py; "
+                  "needs .venv-aot)")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--profile-worker", action="store_true",
                   help=argparse.SUPPRESS)
@@ -190,7 +216,7 @@ def main() -> None:
   if args.worker:
     print(json.dumps(_worker(args.worker[0], int(args.worker[1]),
                              args.profile_worker, json.loads(args.fsdp_kw),
-                             args.eager)))
+                             args.eager, args.target)))
     return
   if args.profile:
     for n in args.layers:
@@ -198,7 +224,7 @@ def main() -> None:
     return
   import jax  # noqa: PLC0415 - for the version line only
   print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores, 8 virtual "
-        f"devices; B={B} T={T} D={D} F={F}; medians of {args.reps} fresh "
+        f"devices; target {args.target}; B={B} T={T} D={D} F={F}; medians of {args.reps} fresh "
         f"processes, interleaved; fsdp_scan extra arguments {args.fsdp_kw}")
   if args.eager:
     _eager_main(args)
@@ -207,7 +233,7 @@ def main() -> None:
     runs = {v: [] for v in args.variants}
     for _ in range(args.reps):
       for v in args.variants:
-        runs[v].append(_run(v, n, fsdp_kw=args.fsdp_kw))
+        runs[v].append(_run(v, n, fsdp_kw=args.fsdp_kw, target=args.target))
     med = {v: {k: statistics.median(r[k] for r in rs)
                for k in ("trace", "lower", "compile")}
            for v, rs in runs.items()}
