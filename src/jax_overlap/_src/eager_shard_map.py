@@ -17,9 +17,9 @@ primitives are evaluated right away, on the shard_map's own values:
   the next call, which traces a new but equal body, compiles nothing.
 
 Everywhere else (jit, autodiff, vmap, eager calls outside shard_map) they
-bind as usual. Pinned by tests/real_clients_eager_test.py (no compile on a
+bind as usual. Pinned by tests/integration/real_clients_eager_test.py (no compile on a
 second eager call; eager values and gradients equal jit's) and
-tests/modes_test.py (every mode, eager columns included).
+tests/integration/modes_test.py (every mode, eager columns included).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def run_as_one(fn: Callable[..., Any], *args) -> Any:
   `run_in_one_program`), and under `jax.grad` only `args` cross from the
   forward shard_map to the backward one. Why: jax compiles each primitive of
   an eager shard_map, and each value crossing its boundary, anew at every
-  call. Pinned by tests/real_clients_eager_test.py."""
+  call. Pinned by tests/integration/real_clients_eager_test.py."""
   # (Imported here: ordering imports this module.)
   from jax_overlap._src.ordering.decorator import program_order  # noqa: PLC0415
   body = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)

@@ -27,7 +27,7 @@ class MeasuredRecord:
   """One collective instruction on one device, over the measured runs.
   `where` (source line) and `leaf` are those of the modelled record of the
   same instruction, the names `inspect`'s records carry, so the two
-  reports match row by row (tests/real_clients_report_test.py)."""
+  reports match row by row (tests/integration/real_clients_report_test.py)."""
   name: str
   kind: str
   module: str | None

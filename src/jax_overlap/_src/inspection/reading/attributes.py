@@ -107,7 +107,7 @@ def leaf_in(op_name: str) -> str | None:
   in a pattern under `jax.grad` has `jvp(jax_overlap.leaf=())` or
   `transpose(jvp(jax_overlap.leaf=()))` there, so each scope loses its
   leading `name(` and the `)`s that close them (the leaf's own brackets,
-  as in "()", stay balanced). Pinned by tests/real_clients_report_test.py."""
+  as in "()", stay balanced). Pinned by tests/integration/real_clients_report_test.py."""
   scopes = []
   for scope in op_name.split("/"):
     scope = _TRANSFORMS.sub("", scope)

@@ -129,7 +129,7 @@ def _from_autodiff(instr) -> bool:
   replicated over a shard_map axis is summed by an all-reduce written
   there). The user cannot make such a collective a future where it is
   written, so the summary suggests what to change instead
-  (tests/real_clients_report_test.py)."""
+  (tests/integration/real_clients_report_test.py)."""
   return "transpose(" in attrs.op_name(instr)
 
 

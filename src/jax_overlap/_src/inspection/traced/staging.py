@@ -8,7 +8,7 @@ non-array leaves, such as an activation function, static). Wrapping those
 in `jax.jit` again would trace every argument and fail on the non-array
 leaves. Only a plain function is wrapped in `jax.jit`; where that fails on
 an argument that is not an array, the error names the argument and what to
-pass instead. Pinned by tests/real_clients_report_test.py.
+pass instead. Pinned by tests/integration/real_clients_report_test.py.
 """
 
 from __future__ import annotations

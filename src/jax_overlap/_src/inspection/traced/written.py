@@ -57,7 +57,7 @@ def written_windows(jaxpr) -> list[WrittenWindow]:
   matched by the future's state. The done autodiff writes for a
   transposed future carries the forward future's `comm`, not the
   transposed one's, so a match by state alone left the gradient's
-  reduce-scatter "done() not found" (tests/real_clients_report_test.py)."""
+  reduce-scatter "done() not found" (tests/integration/real_clients_report_test.py)."""
   walker = _Walker()
   walker.walk(jaxpr, {}, None, env={})
   return walker.windows

@@ -266,7 +266,7 @@ class _Builder:
     writes for a transposed future carries the forward future's `comm`
     (an all_gather's, for the reduce-scatter of its gradient), so its own
     name would pair `psum_scatter_start` with `all_gather_done`
-    (tests/real_clients_report_test.py)."""
+    (tests/integration/real_clients_report_test.py)."""
     flight = eqn.invars[0]
     value = env.get(flight) if _is_var(flight) else None
     kind, label = self.flight.get(value, (kind, label))

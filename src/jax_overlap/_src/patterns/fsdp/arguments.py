@@ -145,7 +145,7 @@ def widen_carry(x, widen):
   `jnp.zeros(())`) that the layer makes varying would change type from one
   layer to the next, which a scan refuses; cast once before the stack, the
   carry keeps one type (test_scalar_accumulator_in_the_carry in
-  tests/real_clients_fsdp_test.py)."""
+  tests/integration/real_clients_fsdp_test.py)."""
   leaves, tree = jax.tree.flatten(x)
   return jax.tree.unflatten(tree, [vary_over(a, axes) if axes else a
                                    for a, axes in zip(leaves, widen)])
@@ -328,7 +328,7 @@ def _local_dims(params, shard_dims, axes):
 
   A leaf whose type says it does not vary over `axes` (in_specs left it
   replicated, e.g. `P()`) is never gathered: gathering p copies of it would
-  hand the layer a p-times-larger, wrong weight (tests/fsdp_test.py
+  hand the layer a p-times-larger, wrong weight (tests/patterns/fsdp/fsdp_test.py
   test_replicated_leaf_is_never_gathered)."""
   paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(params))
   one_int = isinstance(shard_dims, int) and not isinstance(shard_dims, bool)

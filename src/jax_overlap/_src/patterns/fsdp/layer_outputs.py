@@ -7,7 +7,7 @@ i; the index comes in beside `xs[i]`. So both engines, every transfer and
 `before`/`after` carry them unchanged, and their cotangents flow back
 through the carry like x's. The write's transpose reads the cotangent at
 index i only: no layer's residuals hold the buffer
-(tests/real_clients_fsdp_test.py, test_has_ys_like_lax_scan).
+(tests/integration/real_clients_fsdp_test.py, test_has_ys_like_lax_scan).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   """
   if eager_shard_map.in_eager_shard_map():
     # An eager shard_map compiles each primitive anew at every call; the whole
-    # scan runs there as one cached program (tests/real_clients_eager_test.py).
+    # scan runs there as one cached program (tests/integration/real_clients_eager_test.py).
     settings = {k: v for k, v in locals().items()
                 if k not in ("layer", "x", "params")}
     return eager_shard_map.run_as_one(

@@ -83,7 +83,7 @@ def _eval_with_varying_consts(jaxpr, consts, args) -> list:
   given such a value is inlined, so that the pvary inside it is left out
   too (`jnp.take`, flax's `Embed`, is one; bound as it is, its transpose
   sums the cotangent over the axes: test_before_with_jnp_take_under_grad in
-  tests/real_clients_fsdp_test.py)."""
+  tests/integration/real_clients_fsdp_test.py)."""
   env = {}
   read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
   for v, a in zip(jaxpr.constvars, consts):
