@@ -33,6 +33,14 @@ from jax_overlap import errors as errors
 from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul
 from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
 from jax_overlap._src.patterns.moe.expert_parallel import expert_parallel as expert_parallel
+from jax_overlap._src.patterns.attention.layout import from_layout as from_layout
+from jax_overlap._src.patterns.attention.layout import to_layout as to_layout
+from jax_overlap._src.patterns.attention.ring import ring_attention as ring_attention
+from jax_overlap._src.patterns.attention.ulysses import ulysses_attention as ulysses_attention
+from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout as pipeline_stage_layout
+from jax_overlap._src.patterns.pipeline.loss import pipeline_loss as pipeline_loss
+from jax_overlap._src.patterns.pipeline.plan import PipelinePlan as PipelinePlan
+from jax_overlap._src.patterns.pipeline.plan import pipeline_schedule as pipeline_schedule
 
 __all__ = [
     "Future",
@@ -60,5 +68,13 @@ __all__ = [
     "all_gather_matmul",
     "expert_parallel",
     "matmul_reduce_scatter",
+    "PipelinePlan",
+    "pipeline_loss",
+    "pipeline_schedule",
+    "pipeline_stage_layout",
+    "from_layout",
+    "ring_attention",
+    "to_layout",
+    "ulysses_attention",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import re
 
-import compilers  # first: sets JAX_PLATFORMS=cpu before jax starts
 import jax
 import jax.numpy as jnp
 import pytest

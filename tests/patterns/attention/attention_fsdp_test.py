@@ -5,7 +5,6 @@ over 'cp'; values and gradients against the same model on one device."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -4,7 +4,6 @@ all-to-all futures, a user's attention_fn."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W,
-                                                       device_chunk,
+from jax_overlap._src.patterns.pipeline.actions import (B, F, I, device_chunk,
                                                        global_stage)
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
 
@@ -96,11 +95,16 @@ def program(plan: PipelinePlan) -> Program:
     branch, mb, ch, sl = [], [], [], []
     for d, a in enumerate(row):
       if a is None:
-        branch.append(IDLE); mb.append(0); ch.append(0); sl.append(0)
+        branch.append(IDLE)
+        mb.append(0)
+        ch.append(0)
+        sl.append(0)
         continue
       g = global_stage(d, a.chunk, p)
       branch.append(_branch(a.kind, g, last))
-      mb.append(a.microbatch); ch.append(a.chunk); sl.append(slot_of[(a.microbatch, g)])
+      mb.append(a.microbatch)
+      ch.append(a.chunk)
+      sl.append(slot_of[(a.microbatch, g)])
     ticks.append(Tick(tuple(branch), tuple(mb), tuple(ch), tuple(sl),
                       _send(sends, deferred, slot_of, "fwd", t, p),
                       _send(sends, deferred, slot_of, "bwd", t, p)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from jax_overlap._src.patterns.pipeline import orders as _orders
 from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, Action,
