@@ -72,7 +72,11 @@ def test_fsdp_scan_over_attention_layers(case, remat):
   x = jax.random.normal(jax.random.key(2), (2, 8, WIDTH))
   value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
   ref_value, ref_grads = jax.value_and_grad(reference)(params, x)
+  # Two layers and a squared loss: gradients up to about 25, summed over
+  # the devices in another order than on one device (jax 0.10.2 and 0.11.0
+  # differ from it by 1.6e-5 at most), so 1e-4 here; the attention alone
+  # is held to 1e-5 (ring_attention_test.py).
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   for name in params:
-    np.testing.assert_allclose(grads[name], ref_grads[name], rtol=1e-5,
-                               atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(grads[name], ref_grads[name], rtol=1e-4,
+                               atol=1e-4, err_msg=name)
