@@ -36,6 +36,10 @@ Auto axes). Entry points and where they apply:
   all_gather_matmul,                  x       x       x    in shard_map, value and grads
   matmul_reduce_scatter
   expert_parallel                     x       x       x    in shard_map, value and grads
+  pipeline_loss (pipeline_stage_layout) x     x       x    in shard_map, loss and grads
+  pipeline_schedule                   x       x       x    the 1F1B table's bubble
+  ring_attention (to/from_layout),    x       x       x    in shard_map, output and grads
+  ulysses_attention                                        against dense attention
   overlap_report (the report API)     x       x       x    written and compiled schedules
   inspect (its deprecated alias)      x       x       x    the same, a DeprecationWarning
   jax-overlap inspect (CLI)           x       -       -    a process of its own with no mesh:
@@ -110,7 +114,9 @@ def test_table_lists_every_entry_point():
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
              "ragged_all_to_all_start", "fsdp_scan", "all_gather_matmul",
              "matmul_reduce_scatter", "expert_parallel", "overlap_report",
-             "measure"}
+             "measure", "pipeline_loss", "pipeline_stage_layout",
+             "pipeline_schedule", "ring_attention", "ulysses_attention",
+             "to_layout", "from_layout"}
   public = {name for name in jax_overlap.__all__
             if callable(getattr(jax_overlap, name))
             and not isinstance(getattr(jax_overlap, name), type)}

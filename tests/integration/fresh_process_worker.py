@@ -349,6 +349,79 @@ def _cli(context, mesh, checks):
   checks.append("cli report")
 
 
+def _pipeline_loss(context, mesh, checks):
+  # 8 stages (one a device), 8 microbatches; the reference runs the stages
+  # one after another.
+  w = np.stack([np.eye(8, dtype=np.float32) * 0.5 + _x((8, 8), i) * 0.1
+                for i in range(8)])
+  xs, ys = _x((8, 2, 8), 20), _x((8, 2, 8), 21)
+  stage = lambda w, x: jnp.tanh(x @ w)
+  loss_of = lambda y, t: jnp.mean((y - t) ** 2)
+
+  def local(w, xs, ys):
+    return jo.pipeline_loss(stage, loss_of, w, xs, ys, axis=AXIS)  # first call
+
+  def plain(w, xs, ys):
+    def one(x, t):
+      for i in range(8):
+        x = stage(w[i], x)
+      return loss_of(x, t)
+    return jnp.mean(jax.vmap(one)(xs, ys))
+  with _context(context, mesh):
+    args = [_put(mesh, a, s) for a, s in
+            zip((jo.pipeline_stage_layout(w, 8), xs, ys), (P(AXIS), P(), P()))]
+    ours = _shard_map(context, mesh, local, in_specs=(P(AXIS), P(), P()),
+                      out_specs=P())
+    got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1)))(*args)
+  want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(w, xs, ys)
+  _close("loss and grads", got, want, checks, rtol=1e-4)
+
+
+def _pipeline_schedule(context, mesh, checks):
+  del mesh
+  with _context(context, _mesh(context)):
+    plan = jo.pipeline_schedule("1f1b", 4, 8)                     # first call
+  # 1F1B's bubble on unit costs: (p - 1) / (m + p - 1).
+  assert abs(plan.simulate().bubble_fraction - 3 / 11) < 1e-9, plan
+  checks.append("1f1b bubble")
+
+
+def _dense_attention(q, k, v, causal):
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+  if causal:
+    n = q.shape[1]
+    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+def _attention(name):
+  def run(context, mesh, checks):
+    q, k, v = (_x((1, 32, 8, 4), 30 + i) for i in range(3))
+    spec = P(None, AXIS)
+    if name == "ring_attention":
+      # Reordered on the host, the whole sequence at hand (from_layout of an
+      # array sharded on an Explicit mesh is refused by jax's gather typing).
+      order = lambda a: jo.to_layout(a, "zigzag", 8)               # first call
+      back = lambda a: jo.from_layout(np.asarray(a), "zigzag", 8)
+      attend = lambda q, k, v: jo.ring_attention(q, k, v, axis=AXIS, causal=True,
+                                                 layout="zigzag")
+    else:
+      order = back = lambda a: a
+      attend = lambda q, k, v: jo.ulysses_attention(q, k, v, axis=AXIS,
+                                                    causal=True)  # first call
+    with _context(context, mesh):
+      args = [_put(mesh, order(a), spec) for a in (q, k, v)]
+      f = _shard_map(context, mesh, attend, in_specs=(spec,) * 3, out_specs=spec)
+      loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
+      out = back(jax.jit(f)(*args))
+      grads = [back(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)]
+    dense = lambda *a: _dense_attention(*a, True)
+    want = (dense(q, k, v), jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))),
+                                     argnums=(0, 1, 2))(q, k, v))
+    _close("output and grads", (out, grads), want, checks, rtol=1e-4)
+  return run
+
+
 #: ENTRY -> (run, the contexts it applies in).
 ENTRIES = {
     "program_order_enforce": (_program_order(True), CONTEXTS),
@@ -360,6 +433,10 @@ ENTRIES = {
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),
     "expert_parallel": (_expert_parallel, CONTEXTS),
+    "pipeline_loss": (_pipeline_loss, CONTEXTS),
+    "pipeline_schedule": (_pipeline_schedule, CONTEXTS),
+    "ring_attention": (_attention("ring_attention"), CONTEXTS),
+    "ulysses_attention": (_attention("ulysses_attention"), CONTEXTS),
     "overlap_report": (_report_case(
         lambda step, args, checks: jo.overlap_report(step)(*args)), CONTEXTS),
     "inspect": (_report_case(_deprecated_inspect), CONTEXTS),
