@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_overlap._src.patterns.bound_axis import one_axis_size
+
 
 def as_array(x):
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
@@ -56,17 +58,9 @@ def segment_ids(name: str, segment_ids, q):
 
 
 def axis_size(name: str, axis) -> int:
-  if isinstance(axis, (tuple, list, set, frozenset)):
-    raise TypeError(
-        f"{name}(axis={axis!r}): give one mesh axis name; a ring over several "
-        "axes is not supported.")
-  try:
-    return int(jax.lax.axis_size(axis))
-  except NameError:
-    raise NameError(
-        f"{name}(axis={axis!r}): no mesh axis named {axis!r} is bound here. "
-        "Call it inside jax.shard_map over a mesh that has this axis, with "
-        "the sequence sharded over it.") from None
+  return one_axis_size(name, axis,
+                       several="a ring over several axes is not supported.",
+                       bound_hint=", with the sequence sharded over it")
 
 
 def scale(name: str, scale, head_dim: int) -> float:

@@ -10,6 +10,7 @@ import numpy as np
 from jax._src import core
 
 from jax_overlap._src import _compat
+from jax_overlap._src.patterns.bound_axis import one_axis_size
 
 NAME = "expert_parallel"
 
@@ -84,17 +85,8 @@ def check_call(expert_fn, x, expert_ids, weights, expert_params, *, axis,
 
 
 def _axis_size(axis) -> int:
-  if isinstance(axis, (tuple, list, set, frozenset)):
-    raise TypeError(
-        f"{NAME}(axis={axis!r}): give one mesh axis name; experts spread over "
-        "several axes are not supported.")
-  try:
-    return int(jax.lax.axis_size(axis))
-  except NameError:
-    raise NameError(
-        f"{NAME}(axis={axis!r}): no mesh axis named {axis!r} is bound here. "
-        "Call it inside jax.shard_map over a mesh that has this axis.") \
-        from None
+  return one_axis_size(NAME, axis, several="experts spread over several axes "
+                       "are not supported.")
 
 
 def _experts_local(expert_params) -> int:
