@@ -11,10 +11,15 @@ backward pass issues the transposed collective where the forward pass
 finished the forward one, and an ordered backward overlaps too. A future that
 crossed a shard_map boundary lost its operand slot; its backward collective
 then runs whole at the forward start's position (still correct, not
-overlapped).
+overlapped). The transposed start and its done carry one `Comm`, the
+transposed collective's (`_transposed_of`), so both halves are named for it
+(a gather's gradient is `psum_scatter_start` -> `psum_scatter_done`:
+tests/collectives/transposed_names_test.py).
 """
 
 from __future__ import annotations
+
+import weakref
 
 from jax._src import ad_util
 from jax._src import core
@@ -68,12 +73,34 @@ def _done_transpose(ct, in_flight, *operand, comm):
     return [ad_util.Zero(flight_aval),
             ad_util.Zero(_aval(operand[0]).to_tangent_aval()), *no_aux]
   # Start the transposed collective here, where the forward one finished.
-  t_flight, _ = start(transposed(comm, ct, aux), ct, *aux)
+  t_flight, _ = start(_transposed_of(comm, ct, aux), ct, *aux)
   return [ad_util.Zero(flight_aval), t_flight, *no_aux]
 
 
 def _aval(x):
   return x.aval if ad.is_undefined_primal(x) else core.get_aval(x)
+
+
+# {forward FutureState: {(forward jaxpr, cpu jaxpr): transposed Comm}}. The
+# done's transpose starts the transposed collective and the start's
+# transpose finishes it, in either order (in a loop body that carries the
+# future, the start's transpose comes first); both take the one Comm kept
+# here. Its state is internal (finished), so sharing it between traces is
+# safe.
+_TRANSPOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _transposed_of(comm: Comm, ct=None, aux=()) -> Comm:
+  """The transposed collective of `comm`, one object per forward future;
+  traced on `ct`, or on zeros of `comm`'s result type when `ct` is None."""
+  table = _TRANSPOSED.setdefault(comm.state, {})
+  key = (comm.jaxpr, comm.cpu_jaxpr)
+  t_comm = table.get(key)
+  if t_comm is None:
+    if ct is None:
+      ct = ad.instantiate_zeros(ad_util.Zero(comm.out_aval.to_tangent_aval()))
+    t_comm = table[key] = transposed(comm, ct, aux)
+  return t_comm
 
 
 def _start_transpose(cts, x, *aux, comm):
@@ -83,10 +110,8 @@ def _start_transpose(cts, x, *aux, comm):
   total = None
   if type(ct_operand) is not ad_util.Zero:
     # The transposed collective is in flight since the forward done: end it
-    # (it was started without a TPU form: its done is the plain one).
-    plain = comm if comm.tpu_form is None else Comm(
-        comm.name, comm.jaxpr, comm.state, cpu_jaxpr=comm.cpu_jaxpr)
-    total = finish(ct_operand, None, plain)
+    # with its own Comm (started without a TPU form: the plain done).
+    total = finish(ct_operand, None, _transposed_of(comm, None, aux))
   if type(ct_flight) is not ad_util.Zero and comm.tpu_form is not None:
     whole = _backward(comm.tpu_form.start, ct_flight)
     total = whole if total is None else total + whole

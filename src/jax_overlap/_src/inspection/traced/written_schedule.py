@@ -262,11 +262,10 @@ class _Builder:
     env[eqn.outvars[0]] = instr.name
 
   def done(self, eqn, env, out, kind: str, label: str) -> None:
-    """A done named for the start whose value it takes: the done autodiff
-    writes for a transposed future carries the forward future's `comm`
-    (an all_gather's, for the reduce-scatter of its gradient), so its own
-    name would pair `psum_scatter_start` with `all_gather_done`
-    (tests/integration/real_clients_report_test.py)."""
+    """A done named for the start whose value it takes, where that start is
+    followed here (a done and its start carry one `Comm`, also for the
+    gradient's transposed collective: tests/collectives/transposed_names_test.py;
+    the report's side: tests/integration/real_clients_report_test.py)."""
     flight = eqn.invars[0]
     value = env.get(flight) if _is_var(flight) else None
     kind, label = self.flight.get(value, (kind, label))
