@@ -181,3 +181,13 @@ class TestMisuse:
   def test_unknown_schedule(self):
     with pytest.raises(ValueError, match="schedule='pipedream'"):
       self._run(schedule="pipedream")
+
+  @pytest.mark.parametrize("order", ["grad_of_grad", "hessian"])
+  def test_second_derivatives_are_refused(self, order):
+    """Differentiating the schedule's backward would hang on its sends."""
+    prm, xs, ts = model(2, 2)
+    f = lambda x: pipelined_loss(2)(prm, x, ts)
+    second = (jax.grad(lambda x: jax.grad(f)(x).sum()) if order == "grad_of_grad"
+              else jax.hessian(f))
+    with pytest.raises(NotImplementedError, match="first derivatives only"):
+      second(xs)

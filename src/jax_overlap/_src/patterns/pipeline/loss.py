@@ -6,7 +6,9 @@ under `jax.grad` its forward rule runs the whole schedule (forward and
 backward ticks, executor.py) and keeps the gradients, which the backward
 rule scales by the loss's cotangent. So the gradient holds inside a larger
 loss (an embedding before, a regulariser beside). The gradients are not
-differentiable again. Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
+differentiable again: a second derivative raises at trace time
+(`_first_order_only`; differentiating the executor would hang on its
+switches' sends). Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                    with_grads=False)
 
   def run_fwd(params, xs, targets):
+    params, xs = _first_order_only((params, xs))
     loss, grads, dxs = execute(plan, stage_fn, loss_fn, params, xs, targets,
                                axis, with_grads=True)
     return loss, (grads, dxs, params, xs)
@@ -92,3 +95,20 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
 
   run.defvjp(run_fwd, run_bwd)
   return run(stage_params, xs, targets)
+
+
+@jax.custom_jvp
+def _first_order_only(tree):
+  """The identity; differentiated (the forward rule's inputs carry tangents
+  only under a second derivative) it raises."""
+  return tree
+
+
+@_first_order_only.defjvp
+def _refuse_second_order(primals, tangents):
+  raise NotImplementedError(
+      "pipeline_loss has first derivatives only (jax.grad, jax.value_and_grad, "
+      "jax.vjp): its gradient is computed by the schedule's backward ticks, "
+      "which are not differentiable again, so a second derivative (jax.hessian, "
+      "grad of grad, jvp of grad) is refused. Differentiate a sequential "
+      "model (no pipeline) for higher derivatives.")
