@@ -48,8 +48,11 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       literature's table.
 
   Returns:
-    The mean loss, the same on every device. `jax.grad` of it with respect
-    to `stage_params` and `xs` gives the gradients of that mean.
+    The mean loss, the same on every device of `axis`. It is typed as
+    varying over every other mesh axis an input varies over: `pmean` it
+    over a data-parallel, FSDP or tensor axis (tests/patterns/pipeline/
+    pipeline_tp_test.py). `jax.grad` of it with respect to `stage_params`
+    and `xs` gives the gradients of that mean.
 
   Example:
     >>> import jax, jax.numpy as jnp
