@@ -3,7 +3,11 @@
 Both draw the same events (`simulate.Event`): compute on its own row (one
 per thread), each collective on its own row, in flight from start to done,
 with the link busy and the exposed part (the stall at its done) marked.
-Times are modelled, and say so.
+Times are modelled, and say so. A pipeline's program (pipeline_loss) gets a
+row per stage under the compute row: each tick's action, the idle ticks (the
+bubble) marked idle, the ticks read from its sends' names
+(patterns/pipeline/tick_names.py). Pinned by
+tests/patterns/pipeline/pipeline_report_test.py.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import json
 import os
 
 from jax_overlap._src.inspection.model.simulate import Event
+from jax_overlap._src.patterns.pipeline import tick_names
 
-_COLOURS = {"compute": "#4C78A8", "loop": "#9ecae9", "wait": "#E45756",
+_COLOURS = {"compute": "#4C78A8", "loop": "#9ecae9", "wait": "#E45756", "idle": "#f2f2f2",
             "in flight": "#d9d9d9", "transfer": "#F58518",
             "exposed": "#E45756"}
 _MAX_ROWS = 40
@@ -24,13 +29,60 @@ def _rows_and_events(report) -> tuple[list[str], list[Event]]:
   timeline = report.timeline
   rows = sorted(timeline.rows, key=lambda r: (not r.startswith("compute"),
                                              timeline.rows.index(r)))
+  stages, stage_events = _pipeline_stages(report)
+  n_compute = sum(r.startswith("compute") for r in rows)
+  rows = rows[:n_compute] + stages + rows[n_compute:]
   keep = set(rows[:_MAX_ROWS])
   events = []
-  for e in timeline.events:
+  for e in list(timeline.events) + stage_events:
     if e.row not in keep:
       e = Event(_OTHER_ROW, e.name, e.start, e.end, e.category)
     events.append(e)
   rows = rows[:_MAX_ROWS] + ([_OTHER_ROW] if len(rows) > _MAX_ROWS else [])
+  return rows, events
+
+
+def _pipeline_stages(report) -> tuple[list[str], list[Event]]:
+  """A row per pipeline stage: at each tick its action (compute) or idle
+  (the bubble). Tick t ends where its first send starts; a tick
+  that sends nothing shares the time up to the next known end."""
+  acts, ends = {}, {}
+  first_start = {}
+  for e in report.timeline.events:
+    first_start[e.row] = min(first_start.get(e.row, e.start), e.start)
+  for c in report.collectives:
+    found = tick_names.parse(c.leaf)
+    at = first_start.get(f"{c.kind} {c.start}")
+    if found is None or at is None:
+      continue
+    t, row = found
+    acts[t] = row
+    ends[t] = min(ends.get(t, at), at)
+  if not acts:
+    return [], []
+  p = len(next(iter(acts.values())))
+  last = max(acts)
+  bounds, known = [], sorted(ends.items())
+  begin = 0.0
+  for t in range(last + 1):
+    after = next(((k, v) for k, v in known if k >= t), None)
+    if after is None:
+      end = report.step_s
+    else:
+      end = begin + (after[1] - begin) / (after[0] - t + 1)
+    bounds.append((begin, end))
+    begin = end
+  rows = [f"stage {d}" for d in range(p)]
+  events = []
+  for t, (start, end) in enumerate(bounds):
+    row = acts.get(t)
+    for d in range(p):
+      if row is None:
+        events.append(Event(rows[d], f"tick {t}", start, end, "loop"))
+      elif row[d] == ".":
+        events.append(Event(rows[d], f"tick {t}: idle (bubble)", start, end, "idle"))
+      else:
+        events.append(Event(rows[d], f"tick {t}: {row[d]}", start, end, "compute"))
   return rows, events
 
 
@@ -79,7 +131,8 @@ def write_png(report, path: str | os.PathLike) -> None:
   scale, unit = _unit(report.step_s)
   fig, ax = plt.subplots(figsize=(10, 1.6 + 0.4 * len(rows)), dpi=80)
   for category, height, alpha in (
-      ("in flight", 0.7, 1.0), ("loop", 0.7, 1.0), ("compute", 0.7, 1.0),
+      ("in flight", 0.7, 1.0), ("loop", 0.7, 1.0), ("idle", 0.7, 1.0),
+      ("compute", 0.7, 1.0),
       ("wait", 0.7, 1.0), ("transfer", 0.3, 1.0), ("exposed", 0.7, 0.45)):
     bars = [e for e in events if e.category == category]
     for row in rows:
@@ -90,7 +143,7 @@ def write_png(report, path: str | os.PathLike) -> None:
                        facecolors=_COLOURS[category], alpha=alpha,
                        edgecolors="white" if category == "compute" else "none",
                        linewidth=0.3,
-                       hatch="//" if category in ("wait", "exposed") else None)
+                       hatch="//" if category in ("wait", "exposed", "idle") else None)
   ax.set_yticks([y[r] for r in rows])
   ax.set_yticklabels([r if len(r) <= 40 else r[:37] + "..." for r in rows],
                      fontsize=8)
@@ -99,11 +152,12 @@ def write_png(report, path: str | os.PathLike) -> None:
   ax.set_xlabel(f"modelled time ({unit}) on {report.hardware.name}; "
                 "not measured", fontsize=8)
   fig.suptitle(_title(report), fontsize=9)
-  ax.legend(handles=[Patch(color=_COLOURS[c], label=label) for c, label in
-                     (("compute", "compute"), ("in flight", "start to done"),
-                      ("transfer", "on the link"),
-                      ("exposed", "exposed (waiting)"))],
-            loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4, fontsize=8,
+  keys = [("compute", "compute"), ("in flight", "start to done"),
+          ("transfer", "on the link"), ("exposed", "exposed (waiting)")]
+  if any(e.category == "idle" for e in events):
+    keys.append(("idle", "idle stage (bubble)"))
+  ax.legend(handles=[Patch(color=_COLOURS[c], label=label) for c, label in keys],
+            loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(keys), fontsize=8,
             frameon=False)
   ax.grid(axis="x", alpha=0.3)
   fig.tight_layout()

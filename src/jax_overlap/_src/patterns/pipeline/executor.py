@@ -21,7 +21,9 @@ import jax.numpy as jnp
 
 from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.patterns import varying as _varying
+from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
+from jax_overlap._src.patterns.pipeline.tick_names import label
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
 
 
@@ -46,21 +48,24 @@ def execute(plan: PipelinePlan, stage_fn: Callable, loss_fn: Callable,
   branches = _branches(stage_fn, loss_fn, m, with_grads, zero_act, vary)
   me = jax.lax.axis_index(axis)
   pending = []
-  for tick in prog.ticks:
-    state, out_fwd, out_bwd = _run_tick(tick, branches, state, params, xs,
-                                        targets, me)
-    for fut, send, buffer in pending:
-      state[buffer] = _write(state[buffer], fut.done(), send.slots, me)
-    pending = []
-    for send, out, buffer in ((tick.forward, out_fwd, "inputs"),
-                              (tick.backward, out_bwd, "dys")):
-      if send is None:
-        continue
-      fut = ppermute_start(out, axis, send.perm)
-      if send.deferred:
-        pending.append((fut, send, buffer))
-      else:
+  for t, tick in enumerate(prog.ticks):
+    with jax.named_scope(f"pipeline_tick_{t}"):   # profiles name the tick
+      state, out_fwd, out_bwd = _run_tick(tick, branches, state, params, xs,
+                                          targets, me)
+      for fut, send, buffer in pending:
         state[buffer] = _write(state[buffer], fut.done(), send.slots, me)
+      pending = []
+      for send, out, buffer, what in (
+          (tick.forward, out_fwd, "inputs", "activations"),
+          (tick.backward, out_bwd, "dys", "cotangents")):
+        if send is None:
+          continue
+        with moving(label(t, what, plan.table[t])):   # the report's leaf
+          fut = ppermute_start(out, axis, send.perm)
+        if send.deferred:
+          pending.append((fut, send, buffer))
+        else:
+          state[buffer] = _write(state[buffer], fut.done(), send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
   loss = jax.lax.psum(state["loss"], axis) / m   # only the last stage's is not 0
   if not with_grads:
