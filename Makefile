@@ -134,8 +134,9 @@ test-aot: $(AOT_VENV)/.installed
 
 # The same compilers for the older jax: .venv-aot-jaxX (jax X, its own CUDA plugin wheels and
 # the libtpu its `jax[tpu]` extra names, pinned in constraints/aot-jax-X.txt) and
-# `make test-aot-jaxX`, which runs tests/aot's OLDER_JAX_SUBSET (the written order, the five
-# futures and fsdp_scan on TPU v5e and GPU H100; see tests/aot/real_compilers_test.py).
+# `make test-aot-jaxX`, which runs tests/aot's older-jax subset (the `newest_jax` marker: the
+# written order, the five futures and fsdp_scan on TPU v5e and GPU H100, named in
+# tests/aot/real_compilers_test.py; the rest skip there).
 AOT_OLDER := 0.10.2 0.11.0
 aot_venv = .venv-aot-jax$(1)
 AOT_OLDER_STAMPS := $(foreach v,$(AOT_OLDER),$(call aot_venv,$(v))/.installed)
@@ -155,7 +156,7 @@ aot-venvs: $(AOT_VENV)/.installed $(AOT_OLDER_STAMPS)
 define aot_per_version
 .PHONY: test-aot-jax$(1)
 test-aot-jax$(1): $(call aot_venv,$(1))/.installed
-	JAX_OVERLAP_AOT_SUBSET=older $(call aot_venv,$(1))/bin/python -m pytest -q tests/aot $$(PYTEST_ARGS)
+	$(call aot_venv,$(1))/bin/python -m pytest -q tests/aot $$(PYTEST_ARGS)
 endef
 $(foreach v,$(AOT_OLDER),$(eval $(call aot_per_version,$(v))))
 

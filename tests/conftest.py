@@ -6,8 +6,9 @@ Markers:
   supported jax side by side, and its time budget holds one full copy). On
   older jax the test is skipped, naming why; `newest_jax(older_jax=[names])`
   on a module or class keeps the named tests (a test's full name, e.g.
-  `test_x[a-b]`, or its name before the parameters) on older jax too: the
-  older-jax subset.
+  `test_x[a-b]`, or its name before the parameters; `*` stands for any
+  characters, e.g. `test_x[*-tpu_v5e]`) on older jax too: the older-jax
+  subset. tests/aot/ is `newest_jax` throughout (tests/aot/conftest.py).
 - `subprocess`: starts a Python process of its own (a fresh import, a second
   process, a timeout around a crash). `-m "not subprocess"` leaves them out.
 - `slow`: takes more than about 20 s on one core. `-m "not slow"` for a
@@ -16,6 +17,7 @@ Markers:
 
 import os
 import pathlib
+import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,6 +39,17 @@ from jax_overlap._src import _compat  # noqa: E402
 NEWEST_JAX = _compat.USE_HIJAX
 
 
+def _kept_on_older_jax(item, names) -> bool:
+  """Whether one of `names` (a full test name, its name before the
+  parameters, or either with `*` for any characters) names `item`."""
+  for name in names:
+    pattern = ".*".join(map(re.escape, name.split("*")))
+    if any(re.fullmatch(pattern, n)
+           for n in (item.name, getattr(item, "originalname", None)) if n):
+      return True
+  return False
+
+
 def pytest_collection_modifyitems(config, items):
   if NEWEST_JAX:
     return
@@ -47,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
     if not marks:
       continue
     kept = set().union(*(m.kwargs.get("older_jax", ()) for m in marks))
-    if item.name not in kept and getattr(item, "originalname", None) not in kept:
+    if not _kept_on_older_jax(item, kept):
       item.add_marker(pytest.mark.skip(reason=reason))
 
 

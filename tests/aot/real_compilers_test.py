@@ -9,7 +9,7 @@ second: shapes are tiny and each program compiles once (`_compiled` caches by
 name).
 
 Older jax (`make test-aot-jax0.11.0`, `make test-aot-jax0.10.2`) runs
-OLDER_JAX_SUBSET on OLDER_JAX_TARGETS (tests/aot/conftest.py selects them):
+OLDER_JAX_SUBSET on OLDER_JAX_TARGETS (its `newest_jax` marker; the rest skip):
 the written order, the five futures and fsdp_scan in both contexts, on TPU
 v5e and GPU H100. There a future's halves are lowered back to back (said
 with an OrderNotKeptWarning), and today every program holding a future fails
@@ -48,15 +48,18 @@ OLDER = not _compat.ASYNC_CUSTOM_CALLS
 needs_pairs = pytest.mark.skipif(
     OLDER, reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU")
 
-#: What `make test-aot-jaxX` (jax < 0.12) runs: these tests, on these targets.
-OLDER_JAX_SUBSET = {
+#: What `make test-aot-jaxX` (jax < 0.12) runs: these tests, on these targets
+#: (the `newest_jax` marker's older-jax subset; tests/aot/conftest.py).
+OLDER_JAX_SUBSET = (
     "test_compiled_schedule_keeps_written_order",
     "test_future_is_an_async_pair_around_the_matmul",
     "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one",
     "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters",
     "test_fsdp_scan_on_an_explicit_mesh",
-}
+)
 OLDER_JAX_TARGETS = ("tpu_v5e", "gpu_h100")
+pytestmark = pytest.mark.newest_jax(older_jax=[
+    f"{test}[*{target}]" for test in OLDER_JAX_SUBSET for target in OLDER_JAX_TARGETS])
 
 #: jax 0.10.2 / 0.11.0 with their plugins (libtpu 0.0.42.1 / 0.0.44.1,
 #: jax-cuda12-plugin of the same version): a future is lowered to a StableHLO
