@@ -70,6 +70,12 @@ TABLE = (
           "some reduce-scatters finished before the next step's matmuls",
           "tests/aot/real_compilers_test.py::"
           "test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu"),
+    Quirk("tpu-flat-all-gather", "tpu", None, "libtpu", ("0.0.52", "0.0.52"),
+          "an all_gather_start of a rank >= 2 operand gathers it as one flat "
+          "buffer, reshaped after the done: layout assignment may lay the "
+          "gathered result out column-major, and the compiler aborts "
+          "(RET_CHECK IsMajorDimAllGather)",
+          "tests/aot/major_dim_compiled_test.py"),
     Quirk("gpu-overlap-limit", "gpu", None, "cuda", ("0.10.2", "0.12.0.1"),
           "modules with several futures in flight get "
           "xla_gpu_experimental_parallel_collective_overlap_limit raised to "

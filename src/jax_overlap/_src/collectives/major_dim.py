@@ -22,6 +22,16 @@ vmap and `program_order` treat it as any future.
 Taken on every platform and jax version (one behaviour everywhere), after
 the TPU forms (permute_forms.py, tpu_forms.py), which place the axis
 themselves.
+
+On TPU (quirk "tpu-flat-all-gather") an all-gather of a rank >= 2 operand
+goes one step further: the operand (axis moved to the front) is gathered as
+one flat row-major buffer and reshaped after the done. Why: layout
+assignment may give the gathered result a column-major layout for its
+consumer (a weight feeding a matmul of 3-D activations in `fsdp_scan`), so
+axis 0 is minor again and the compiler aborts (`RET_CHECK
+IsMajorDimAllGather`); a rank-1 buffer has one layout. Only there, so CPU and
+GPU programs (and values) stay as they were:
+tests/aot/major_dim_compiled_test.py.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from jax._src import source_info_util
 from jax._src import traceback_util
 import jax.numpy as jnp
 
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives.composed import ComposedFuture
 
 source_info_util.register_exclusion(__file__)
@@ -62,10 +73,31 @@ def _all_gather(params, x):
   tiled = params["tiled"]
   # where the gathered axis is in the result (untiled: a new axis there)
   a = params["axis"] % (x.ndim + (0 if tiled else 1))
+  if x.ndim >= 2 and _flat_on_this_platform():
+    return _flat_all_gather(x, a, tiled)
   if a == 0:
     return None
   major = jnp.moveaxis(x, a, 0) if tiled else x
   return major, dict(axis=0), lambda y: jnp.moveaxis(y, 0, a)
+
+
+def _flat_on_this_platform() -> bool:
+  platform, kind = _compat.trace_device()
+  return quirks.applies("tpu-flat-all-gather", platform, kind)
+
+
+def _flat_all_gather(x, a, tiled):
+  """The gather of `x` (axis `a` of the result) as a tiled gather of one
+  flat buffer, put back after the done."""
+  major = jnp.moveaxis(x, a, 0) if tiled else x
+  shape = major.shape
+
+  def put_back(y):
+    n = y.shape[0] // math.prod(shape)
+    if tiled:
+      return jnp.moveaxis(y.reshape(n * shape[0], *shape[1:]), 0, a)
+    return jnp.moveaxis(y.reshape(n, *shape), 0, a)
+  return major.reshape(-1), dict(axis=0, tiled=True), put_back
 
 
 def _psum_scatter(params, x):
