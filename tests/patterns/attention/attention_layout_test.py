@@ -1,9 +1,13 @@
 """Layouts and the ring's plan: to_layout/from_layout, which pairs each
 step computes, equal work with zigzag."""
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_overlap._src.patterns.attention.layout import (
     chunks_per_device, device_chunks, from_layout, to_layout)
@@ -69,3 +73,32 @@ def test_zigzag_causal_work_is_equal_on_every_device(p):
       range(1, p + 1))
   n = chunks_per_device("zigzag")
   assert ring_attention_work("zigzag", p, causal=False) == (n * n * p,) * p
+
+
+@pytest.mark.parametrize("context", ["none", "explicit", "auto"])
+def test_layout_of_an_array_on_a_mesh(context):
+  # An array sharded along the sequence over a mesh of 8: "none" is
+  # jax.make_mesh's default axes without jax.set_mesh (Explicit axes, which
+  # jax cannot type a plain gather's output over), "explicit" and "auto"
+  # under jax.set_mesh. Eager and under jit, both ways; over Explicit axes
+  # the result stays sharded along the sequence.
+  kind = {"explicit": jax.sharding.AxisType.Explicit,
+          "auto": jax.sharding.AxisType.Auto}.get(context)
+  devices = jax.devices()[:8]
+  mesh = (jax.make_mesh((8,), ("cp",), devices=devices) if kind is None else
+          jax.make_mesh((8,), ("cp",), devices=devices, axis_types=(kind,)))
+  x = np.arange(2 * 32 * 3, dtype=np.float32).reshape(2, 32, 3)
+  want = np.asarray(to_layout(x, "zigzag", 8))
+  scope = contextlib.nullcontext() if kind is None else jax.set_mesh(mesh)
+  with scope:
+    a = jax.device_put(x, NamedSharding(mesh, P(None, "cp")))
+    laid = to_layout(a, "zigzag", 8)
+    jitted = jax.jit(lambda a: from_layout(to_layout(a, "zigzag", 8),
+                                           "zigzag", 8))(a)
+    back = from_layout(laid, "zigzag", 8)
+  np.testing.assert_array_equal(laid, want)
+  np.testing.assert_array_equal(back, x)
+  np.testing.assert_array_equal(jitted, x)
+  if mesh.axis_types[0] == jax.sharding.AxisType.Explicit:
+    assert laid.sharding.spec == P(None, "cp", None), laid.sharding
+    assert back.sharding.spec == P(None, "cp", None), back.sharding

@@ -13,6 +13,7 @@ over the axis gives each device its chunks; `from_layout` undoes it.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -63,7 +64,21 @@ def _reorder(name, x, layout, axis_size, seq_axis, inverse):
     order = np.argsort(order)
   shape = x.shape
   chunked = x.reshape(*shape[:seq_axis], n, length // n, *shape[seq_axis + 1:])
-  return chunked[(slice(None),) * seq_axis + (order,)].reshape(shape)
+  return _gather(chunked, (slice(None),) * seq_axis + (order,)).reshape(shape)
+
+
+def _gather(x, index):
+  """`x[index]`, typed as sharded like `x`: over a mesh's Explicit axes jax
+  cannot choose a gather's output sharding itself (ShardingTypeError), and
+  the chunks stay sharded where they were
+  (tests/patterns/attention/attention_layout_test.py::test_layout_of_an_array_on_a_mesh)."""
+  if isinstance(x, np.ndarray):
+    return x[index]
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", ())
+  if any(name is not None for name in spec):
+    return x.at[index].get(out_sharding=sharding)
+  return x[index]
 
 
 def to_layout(x, layout: str, axis_size: int, seq_axis: int = 1):
