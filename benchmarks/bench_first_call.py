@@ -14,7 +14,8 @@ variants alike. Prints the medians and the ratios fsdp/jit and fsdp/smap,
 and with --count the number of times each variant's step traces the layer.
 
   python benchmarks/bench_first_call.py --layers 4 8 --reps 3
-  python benchmarks/bench_first_call.py --layers 8 --profile fsdp   # cProfile of the trace
+  python benchmarks/bench_first_call.py --layers 8 --profile fsdp   # cProfile of each phase
+  .venv-aot/bin/python benchmarks/bench_first_call.py --target gpu_h100 --compiler-log
   python benchmarks/bench_first_call.py --layers 2 --reps 1 --eager 3  # eager calls
   .venv-aot/bin/python benchmarks/bench_first_call.py --target tpu_v5e  # a real compiler
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -150,46 +152,83 @@ def _worker(variant: str, n_layers: int, profile: bool,
     return {"variant": variant, "layers": n_layers, "eager": times}
 
   out = {"variant": variant, "layers": n_layers}
-  profiler = None
-  if profile:
-    import cProfile  # noqa: PLC0415
-    profiler = cProfile.Profile()
-    profiler.enable()
-  t0 = time.perf_counter()
-  traced = jax.jit(step).trace(params, opt_state, x, key)
-  t1 = time.perf_counter()
-  lowered = traced.lower()
-  t2 = time.perf_counter()
-  if profiler is not None:
-    profiler.disable()
-  compiled = lowered.compile()
-  t3 = time.perf_counter()
+  phases = {}
+
+  def timed(name, fn):
+    # With --profile: a cProfile of each phase (trace, lower, compile) alone.
+    profiler = None
+    if profile:
+      import cProfile  # noqa: PLC0415
+      profiler = cProfile.Profile()
+      profiler.enable()
+    t0 = time.perf_counter()
+    result = fn()
+    out[name] = time.perf_counter() - t0
+    if profiler is not None:
+      profiler.disable()
+      phases[name] = profiler
+    return result
+
+  traced = timed("trace", lambda: jax.jit(step).trace(params, opt_state, x, key))
+  lowered = timed("lower", traced.lower)
+  compiled = timed("compile", lowered.compile)
   if target == "cpu":
     jax.block_until_ready(compiled(params, opt_state, x, key))
   text = lowered.as_text()
-  out.update(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2,
-             layer_traces=traces[0],
+  out.update(layer_traces=traces[0],
              stablehlo_ops=sum(" = " in line for line in text.splitlines()))
-  if profiler is not None:
+  if phases:
     import io  # noqa: PLC0415
     import pstats  # noqa: PLC0415
     buf = io.StringIO()
-    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(
-        r"jax_overlap", 40)
+    for name, profiler in phases.items():
+      buf.write(f"\n===== {name}: {out[name]:.2f} s =====\n")
+      stats = pstats.Stats(profiler, stream=buf)
+      stats.sort_stats("cumulative").print_stats(
+          os.environ.get("BENCH_PROFILE_FILTER", ""), 45)
+      stats.sort_stats("tottime").print_stats(20)
     out["profile"] = buf.getvalue()
   return out
 
 
 def _run(variant: str, n_layers: int, profile: bool = False,
-         fsdp_kw: str = "{}", eager: int = 0, target: str = "cpu") -> dict:
+         fsdp_kw: str = "{}", eager: int = 0, target: str = "cpu",
+         compiler_log: bool = False) -> dict:
   cmd = [sys.executable, __file__, "--worker", variant, str(n_layers),
          "--fsdp-kw", fsdp_kw, "--eager", str(eager), "--target", target]
   if profile:
     cmd.append("--profile-worker")
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  env = dict(os.environ)
+  if compiler_log:   # the GPU compiler's own timers, read from its log
+    env.update(TF_CPP_MIN_LOG_LEVEL="0",
+               TF_CPP_VMODULE="gpu_compiler=1,hlo_pass_pipeline=1")
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                        env=env)
   if proc.returncode:
     raise RuntimeError(f"{variant} x{n_layers} failed:\n{proc.stderr[-4000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  if compiler_log:
+    out["compiler_log"] = _compiler_timers(proc.stderr)
+  return out
+
+
+def _compiler_timers(log: str) -> dict:
+  """{phase or pass: seconds} of the step's compile from the GPU compiler's
+  log: RunHloPasses and RunBackend of jit_step, and the four slowest passes
+  (each pass summed over every module and fusion it ran on)."""
+  units = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+  timers, passes = {}, {}
+  for line in log.splitlines():
+    m = re.search(r"GpuCompiler::(\w+) for jit_step time: ([\d.]+) (us|ms|s) ", line)
+    if m:
+      timers[m.group(1)] = float(m.group(2)) * units[m.group(3)]
+    m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) ", line)
+    if m:
+      passes[m.group(1)] = passes.get(m.group(1), 0.0) + \
+          float(m.group(2)) * units[m.group(3)]
+  for name in sorted(passes, key=passes.get)[-4:]:
+    timers[name] = passes[name]
+  return {k: round(v, 1) for k, v in timers.items()}
 
 
 def main() -> None:
@@ -199,7 +238,8 @@ def main() -> None:
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
                   choices=VARIANTS)
   ap.add_argument("--profile", choices=VARIANTS,
-                  help="print a cProfile of this variant's trace + lower")
+                  help="print a cProfile of this variant's trace, lower and "
+                  "compile, each alone")
   ap.add_argument("--fsdp-kw", default="{}",
                   help='extra fsdp_scan arguments as JSON, e.g. \'{"unroll": 1}\'')
   ap.add_argument("--eager", type=int, default=0, metavar="CALLS",
@@ -209,6 +249,12 @@ def main() -> None:
                   help="cpu (compile and run here), or a real compiler run "
                   "ahead of time: gpu_h100, tpu_v5e, ... (tests/aot/compilers.py; "
                   "needs .venv-aot)")
+  ap.add_argument("--compiler-log", action="store_true",
+                  help="GPU targets: also print the compiler's own timers "
+                  "(RunHloPasses, RunBackend, the slowest passes) from its log")
+  ap.add_argument("--profile-filter", default="",
+                  help="with --profile: list only functions whose path "
+                  "matches this (e.g. jax_overlap)")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--profile-worker", action="store_true",
                   help=argparse.SUPPRESS)
@@ -219,8 +265,10 @@ def main() -> None:
                              args.eager, args.target)))
     return
   if args.profile:
+    os.environ["BENCH_PROFILE_FILTER"] = args.profile_filter   # to the worker
     for n in args.layers:
-      print(_run(args.profile, n, True, args.fsdp_kw)["profile"])
+      print(_run(args.profile, n, True, args.fsdp_kw,
+                 target=args.target)["profile"])
     return
   import jax  # noqa: PLC0415 - for the version line only
   print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores, 8 virtual "
@@ -233,7 +281,8 @@ def main() -> None:
     runs = {v: [] for v in args.variants}
     for _ in range(args.reps):
       for v in args.variants:
-        runs[v].append(_run(v, n, fsdp_kw=args.fsdp_kw, target=args.target))
+        runs[v].append(_run(v, n, fsdp_kw=args.fsdp_kw, target=args.target,
+                            compiler_log=args.compiler_log))
     med = {v: {k: statistics.median(r[k] for r in rs)
                for k in ("trace", "lower", "compile")}
            for v, rs in runs.items()}
@@ -245,6 +294,8 @@ def main() -> None:
       print(f"  {v:6s}    {m['trace']:7.2f}  {m['lower']:7.2f}  "
             f"{m['compile']:7.2f}  {total:7.2f}  {runs[v][0]['layer_traces']:12d}"
             f"  {runs[v][0]['stablehlo_ops']:13d}")
+      if args.compiler_log:
+        print(f"            compiler timers (s): {runs[v][0]['compiler_log']}")
     if "fsdp" in med:
       for base in ("jit", "smap"):
         if base not in med:
