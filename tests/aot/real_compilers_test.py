@@ -518,6 +518,7 @@ def test_ragged_future_outside_program_order_is_the_compilers_to_schedule(name):
 
 @needs_pairs
 @pytest.mark.parametrize("kind", ["psum_scatter", "all_to_all"])
+@pytest.mark.subprocess
 def test_the_async_pair_still_crashes_libtpu(kind):
   # Why these futures are lowered synchronously on TPU: the async pair under
   # an ordered block kills the compiler (run apart, so a SIGSEGV fails only

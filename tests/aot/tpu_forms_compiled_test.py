@@ -115,6 +115,7 @@ def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
   assert not warned, warned
 
 
+@pytest.mark.subprocess
 def test_the_form_needs_the_async_all_to_all_option():
   # Premise of the option the library sets (ordering/compile_options.py):
   # with it off, libtpu dies on the form's all-to-all pair (run apart).

@@ -187,6 +187,7 @@ def test_argparse_errors_exit_2(capsys):
   assert info.value.code == 2
 
 
+@pytest.mark.subprocess
 def test_python_dash_m(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(SRC), "JAX_PLATFORMS": "cpu"}
   ok = subprocess.run([sys.executable, "-m", "jax_overlap", "inspect",

@@ -129,6 +129,7 @@ def test_table_lists_every_entry_point():
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.subprocess
 def test_first_call_in_a_forked_process(case, forked_results):
   result = _result(forked_results, case)
   assert result["ok"], f"{case}:\n{result['error'][-4000:]}"
@@ -136,12 +137,14 @@ def test_first_call_in_a_forked_process(case, forked_results):
 
 
 @pytest.mark.parametrize("case", SPAWNED_CASES)
+@pytest.mark.subprocess
 def test_first_call_in_a_process_started_from_nothing(case, tmp_path):
   _run_worker(tmp_path, "--no-fork", case)
   result = _result(tmp_path, case)
   assert result["ok"], f"{case}:\n{result['error'][-4000:]}"
 
 
+@pytest.mark.subprocess
 def test_cli_in_a_process_of_its_own(forked_results):
   # The HLO the CLI case compiled from plain jax (no jax_overlap call).
   hlo = forked_results / "all_gather.hlo.txt"

@@ -67,6 +67,7 @@ def one_process_results():
   return multiprocess_programs.run_all()
 
 
+@pytest.mark.subprocess
 def test_same_programs(two_process_results, one_process_results):
   assert sorted(two_process_results) == sorted(one_process_results)
 
@@ -79,6 +80,7 @@ def test_same_programs(two_process_results, one_process_results):
     "ordered/value", "ordered/grad_x", "ordered/grad_w"] + [
     f"{c}/{k}" for c in ("all_gather_matmul", "matmul_reduce_scatter")
     for k in ("value", "grad_x", "grad_w")])
+@pytest.mark.subprocess
 def test_two_processes_equal_one(name, two_process_results, one_process_results):
   got, want = two_process_results[name], one_process_results[name]
   assert got.shape == want.shape, (got.shape, want.shape)

@@ -187,6 +187,7 @@ def test_the_docs_have_python_blocks():
       "fsdp-quickstart.md", "collective-matmul.md", "moe.md"}
 
 
+@pytest.mark.subprocess
 def test_blocks_run_in_a_temporary_directory_not_the_repository():
   name = "written-by-a-doc-block.txt"
   blocks = [Block("probe.md", 1,
@@ -325,6 +326,7 @@ def test_the_index_lists_every_page():
 
 @pytest.mark.parametrize("path, index", _CASES, ids=[
     _BLOCKS[p][k].where for p, k in _CASES])
+@pytest.mark.subprocess
 def test_block_runs(path, index):
   block = _BLOCKS[path][index]
   result = _results_of(path)[index]
@@ -334,6 +336,7 @@ def test_block_runs(path, index):
       f"{block.where}: the block raised\n{result['traceback']}")
 
 
+@pytest.mark.subprocess
 def test_a_block_that_raises_is_reported_at_its_file_and_line(tmp_path):
   doc = tmp_path / "guide.md"
   doc.write_text("# Guide\n\n```python\nx = 1\n```\n\n"

@@ -8,6 +8,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
@@ -47,6 +48,7 @@ _FRESH = textwrap.dedent("""
     """)
 
 
+@pytest.mark.subprocess
 def test_jax_is_its_own_until_the_library_lowers_something():
   out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True,
                        text=True, timeout=300)

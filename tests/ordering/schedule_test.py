@@ -164,6 +164,7 @@ def test_warns_that_old_jax_cannot_overlap_futures_on_gpu(monkeypatch):
     f.trace(Y).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.subprocess
 def test_opting_out_warns_and_compiles_as_xla_would(tmp_path):
   # In a fresh process: the variable is read when jax_overlap is imported.
   import subprocess

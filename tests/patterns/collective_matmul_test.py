@@ -350,6 +350,7 @@ def _run(*args):
   return out
 
 
+@pytest.mark.subprocess
 def test_readme_section_runs():
   section = README.read_text().split("\n## Collective matmul\n", 1)[1]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
@@ -357,6 +358,7 @@ def test_readme_section_runs():
   assert out.stdout.split() == ["(64,", "16)", "(16,", "128)"], out.stdout
 
 
+@pytest.mark.subprocess
 def test_example_runs():
   out = _run(str(EXAMPLE))
   lines = out.stdout.splitlines()

@@ -73,6 +73,7 @@ PROGRAM = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.subprocess
 def test_fsdp_scan_trains_24_layers_30_steps_without_abort_or_hang():
   env = dict(os.environ)
   src = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "src")

@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "moe_train.py"
 
 
+@pytest.mark.subprocess
 def test_moe_train_example_runs():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "10",
