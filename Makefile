@@ -86,8 +86,8 @@ venvs: $(STAMPS)
 # worker at a time (--dist loadfile: a file's jit caches and module fixtures are built once,
 # in one process). One pytest process keeps at most one core busy (XLA:CPU compiles on one
 # thread), so on the 2-core machine `auto` (2 workers) halves `make test`'s time. .ci/run
-# passes PYTEST_XDIST=0: it already runs four test steps side by side on those 2 cores, and
-# workers on top would only make them wait for each other.
+# runs `make test` so (its largest step) and passes PYTEST_XDIST=0 to the older jax's steps,
+# which run beside it.
 PYTEST_XDIST ?= auto
 XDIST_ARGS = $(if $(filter 0,$(PYTEST_XDIST)),-p no:xdist,-n $(PYTEST_XDIST) --dist loadfile)
 
