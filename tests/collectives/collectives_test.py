@@ -234,7 +234,10 @@ def test_grad_equals_sync_grad(mesh2, name, enforce):
 
   def loss(f):
     return lambda x: jnp.sum(_smap(mesh2, f, si, so)(x) ** 2)
-  post = lambda r: r * jnp.cos(r)
+  # A polynomial, not a transcendental: XLA:CPU evaluates cos/sin with other
+  # approximations inside and outside a fusion, and the fences move fusion
+  # boundaries (3e-7 apart on this machine's CPU), which is no gradient error.
+  post = lambda r: r * (1.0 + 0.5 * r)
   fa = lambda x: post(_with_compute(start, enforce)(x))
   fs = lambda x: post(_with_compute(lambda v: _Done(sync(v)), enforce)(x))
   x = _x()
