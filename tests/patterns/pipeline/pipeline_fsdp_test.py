@@ -58,12 +58,12 @@ def _pipelined(p, fsdp, schedule):
   return loss
 
 
-@pytest.mark.parametrize("p,fsdp,schedule", [(2, 2, "1f1b"), (2, 2, "zb-h1"),
-                                             (4, 2, "1f1b")])
-def test_pp_by_fsdp(p, fsdp, schedule):
-  ws, xs, ts = _model(p, 2 * p)
+@pytest.mark.parametrize("p,fsdp,m,schedule", [(2, 2, 4, "1f1b"), (2, 2, 4, "zb-h1"),
+                                               (4, 2, 4, "1f1b")])
+def test_pp_by_fsdp(p, fsdp, m, schedule):
+  ws, xs, ts = _model(p, m)
   loss = _pipelined(p, fsdp, schedule)
   got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(ws, xs, ts)
-  want = jax.value_and_grad(_reference, argnums=(0, 1))(ws, xs, ts)
+  want = jax.jit(jax.value_and_grad(_reference, argnums=(0, 1)))(ws, xs, ts)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
