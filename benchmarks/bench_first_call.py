@@ -99,7 +99,8 @@ def _worker(variant: str, n_layers: int, profile: bool,
   key = shard(jax.random.key(1), P())
 
   def stack_plain(x, full, keys):
-    y, _ = lax.scan(lambda x, wk: (layer(x, *wk), None), x, (full, keys))
+    y, _ = lax.scan(lambda x, wk: (layer(x, *wk), None), x, (full, keys),
+                    unroll=int(os.environ.get("BENCH_SCAN_UNROLL", "1")))
     return y
 
   def loss_jit(params, x, key):
@@ -216,13 +217,13 @@ def _compiler_timers(log: str) -> dict:
   """{phase or pass: seconds} of the step's compile from the GPU compiler's
   log: RunHloPasses and RunBackend of jit_step, and the four slowest passes
   (each pass summed over every module and fusion it ran on)."""
-  units = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+  units = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
   timers, passes = {}, {}
   for line in log.splitlines():
-    m = re.search(r"GpuCompiler::(\w+) for jit_step time: ([\d.]+) (us|ms|s) ", line)
+    m = re.search(r"GpuCompiler::(\w+) for jit_step time: ([\d.]+) (us|ms|s|min|h) ", line)
     if m:
       timers[m.group(1)] = float(m.group(2)) * units[m.group(3)]
-    m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) ", line)
+    m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s|min|h) ", line)
     if m:
       passes[m.group(1)] = passes.get(m.group(1), 0.0) + \
           float(m.group(2)) * units[m.group(3)]
@@ -255,6 +256,9 @@ def main() -> None:
   ap.add_argument("--profile-filter", default="",
                   help="with --profile: list only functions whose path "
                   "matches this (e.g. jax_overlap)")
+  ap.add_argument("--scan-unroll", type=int, default=1,
+                  help="unroll of the jit and smap variants' lax.scan (copies "
+                  "of the layer in their loop, for what a copy costs)")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--profile-worker", action="store_true",
                   help=argparse.SUPPRESS)
@@ -264,6 +268,7 @@ def main() -> None:
                              args.profile_worker, json.loads(args.fsdp_kw),
                              args.eager, args.target)))
     return
+  os.environ["BENCH_SCAN_UNROLL"] = str(args.scan_unroll)   # to the workers
   if args.profile:
     os.environ["BENCH_PROFILE_FILTER"] = args.profile_filter   # to the worker
     for n in args.layers:
