@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src.patterns.attention.layout import to_layout
+from jax_overlap._src.patterns.attention.layout import from_layout, to_layout
 from jax_overlap._src.patterns.attention.ring import ring_attention
 from jax_overlap._src.patterns.attention.ulysses import ulysses_attention
 
@@ -57,12 +57,17 @@ def test_unknown_layout():
 
 
 def test_layout_mismatch():
-  # zigzag needs two chunks a device: an odd local sequence is not one.
+  # What of a mismatch can be seen from shapes (which chunks a device holds
+  # cannot): zigzag needs two chunks a device, an odd local sequence is not
+  # two; a global sequence that 2p chunks cannot split, both ways.
   with pytest.raises(ValueError, match="each device holds 2 chunks"):
     _call(ring_attention, *_arrays(s_q=6, s_k=6), layout="zigzag")
-  # A global sequence that 2p chunks cannot split.
-  with pytest.raises(ValueError, match="cannot split into 8 equal chunks"):
+  with pytest.raises(ValueError, match="to_layout: .* cannot split into 8 equal chunks"):
     to_layout(jnp.zeros((1, 12)), "zigzag", 4)
+  with pytest.raises(ValueError, match="from_layout: .* cannot split into 8 equal chunks"):
+    from_layout(jnp.zeros((1, 12)), "zigzag", 4)
+  with pytest.raises(ValueError, match=r"axis_size=0\) must be a positive int"):
+    to_layout(jnp.zeros((1, 12)), "zigzag", 0)
 
 
 def test_segment_ids_of_another_shape():

@@ -7,7 +7,10 @@ under `program_order(enforce=True)` so the compiler keeps it in flight
 there. The backward pass (a `jax.custom_vjp`) rotates `kv` the same way and,
 one step behind, the gradient (dk, dv) of the block each device holds: it
 starts at the device after the block's owner and reaches the owner after
-p - 1 hops, adding each device's part on the way. Saved for the backward:
+p - 1 hops, adding each device's part on the way. Part of the device's own
+block is computed behind the first rotation of (k, v), the rest behind the
+last hop of (dk, dv) home, so that every rotation has block matmuls in flight
+(tests/aot/attention_compiled_test.py). Saved for the backward:
 this device's q, k, v, output and row log-sum-exp; no other device's block
 (tests/patterns/attention/ring_attention_test.py::test_saves_no_remote_blocks).
 """
@@ -159,6 +162,14 @@ def _each_pair(table, step: int, before, run, state):
   return state
 
 
+def _compute(fn, state):
+  """`fn(state)` as one step of the ordered ring (a free block): fenced
+  after the rotation started before it and before the one finished after
+  it, its inside left to the compiler. One step, not one fence an
+  operation: the ordered program stays small to compile."""
+  return program_order(enforce=False)(fn)(state)
+
+
 def _send(x, cfg: Config):
   """Starts sending `x` to the next device, as a matrix (the TPU compiler
   may lay out a higher-rank received copy differently from the sent one and
@@ -208,7 +219,8 @@ def _forward(cfg: Config, q, k, v, segment_ids):
             q_seg=seg(q_seg, qf, pair.q_count),
             k_seg=seg(k_segs[step], kf, pair.k_count))
         return kernel.Stats(*(_put(x, y, qf, chunk) for x, y in zip(stats, part)))
-      stats = _each_pair(table, step, before[step], block, stats)
+      stats = _compute(lambda s, step=step, block=block: _each_pair(
+          table, step, before[step], block, s), stats)
       if sending:
         held = future.done().reshape(kv.shape)
     return kernel.finish(stats)
@@ -220,53 +232,94 @@ def _forward(cfg: Config, q, k, v, segment_ids):
 
 # --- backward -----------------------------------------------------------------
 
+def _self_parts(pairs, chunk: int):
+  """The step-0 (own block) pairs as (pair, first key, end key) parts, keys
+  counted within the pair, in two lists: the parts computed while the first
+  (k, v) rotation is in flight, and those left for the window of the last
+  (dk, dv) hop home. Both lists hold work unless the block has one key.
+  The own block's gradients are needed only at the end, so any split is
+  exact; one pair is split by keys (a diagonal half then takes an explicit
+  causal mask)."""
+  whole = [(pair, 0, pair.k_count * chunk) for pair in pairs]
+  if len(whole) > 1:
+    half = (len(whole) + 1) // 2
+    return whole[:half], whole[half:]
+  (pair, _, n), = whole
+  if n < 2:
+    return whole, []
+  return [(pair, 0, n // 2)], [(pair, n // 2, n)]
+
+
 def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
   table = plan(cfg.layout, cfg.causal)
   chunk = q.shape[1] // chunks_per_device(cfg.layout)
   before, k_segs = _ring_indices(cfg, segment_ids)
   delta = kernel.row_delta(out, dout)
+  early, late = _self_parts(table[SELF], chunk)
 
   @program_order(enforce=True)
   def run(q, kv, dout, lse, delta, q_seg, before, k_segs):
+    def block(state, pair, qf, kf, lo=0, hi=None, *, held, step):
+      """`state` (dq, dkv) plus the pair's part (keys lo..hi of the pair's
+      keys) of the gradient, with the block `held` at `step`."""
+      dq, dkv = state
+      hi = pair.k_count * chunk if hi is None else hi
+      rows = lambda a: _take(a, qf, pair.q_count, chunk)
+      keys = lambda a: jax.lax.slice_in_dim(
+          _take(a, kf, pair.k_count, chunk), lo, hi, axis=1)
+      seg = lambda a, f, n: None if a is None else _take(a, f, n, chunk)
+      k_seg = seg(k_segs[step], kf, pair.k_count)
+      positions = None
+      if pair.diagonal and (lo, hi) != (0, pair.k_count * chunk):
+        positions = (jnp.arange(pair.q_count * chunk), lo + jnp.arange(hi - lo))
+      dq_part, dk_part, dv_part = kernel.block_backward(
+          rows(q), keys(held[0]), keys(held[1]), rows(dout), rows(lse),
+          rows(delta), causal=pair.diagonal, scale=cfg.scale,
+          q_seg=seg(q_seg, qf, pair.q_count),
+          k_seg=None if k_seg is None else k_seg[:, lo:hi],
+          positions=positions)
+      dq = _put(dq, rows(dq) + dq_part, qf, chunk)
+      dkv_part = jnp.stack([dk_part, dv_part])
+      start = kf * chunk + lo
+      dkv = jax.lax.dynamic_update_slice_in_dim(
+          dkv, jax.lax.dynamic_slice_in_dim(dkv, start, hi - lo, axis=2)
+          + dkv_part, start, axis=2)
+      return dq, dkv
+
+    def parts(state, listed, held, step):
+      for pair, lo, hi in listed:
+        state = block(state, pair, pair.q_first, pair.k_first, lo, hi,
+                      held=held, step=step)
+      return state
+
     dq = kernel.zeros_like_varying(q.shape, q)
     held = kv
     grads = None
+    own = kernel.zeros_like_varying(kv.shape, q)
     for step in range(cfg.size):
       sending = step < cfg.size - 1
       if sending:
         with moving("k, v"):
           future = _send(held, cfg)
-      dkv = kernel.zeros_like_varying(kv.shape, q)
-
-      def block(state, pair, qf, kf, held=held, step=step):
-        dq, dkv = state
-        rows = lambda a: _take(a, qf, pair.q_count, chunk)
-        keys = lambda a: _take(a, kf, pair.k_count, chunk)
-        seg = lambda a, f, n: None if a is None else _take(a, f, n, chunk)
-        dq_part, dk_part, dv_part = kernel.block_backward(
-            rows(q), keys(held[0]), keys(held[1]), rows(dout), rows(lse),
-            rows(delta), causal=pair.diagonal, scale=cfg.scale,
-            q_seg=seg(q_seg, qf, pair.q_count),
-            k_seg=seg(k_segs[step], kf, pair.k_count))
-        dq = _put(dq, rows(dq) + dq_part, qf, chunk)
-        dkv_part = jnp.stack([dk_part, dv_part])
-        dkv = jax.lax.dynamic_update_slice_in_dim(
-            dkv, jax.lax.dynamic_slice_in_dim(
-                dkv, kf * chunk, pair.k_count * chunk, axis=2) + dkv_part,
-            kf * chunk, axis=2)
-        return dq, dkv
-      dq, dkv = _each_pair(table, step, before[step], block, (dq, dkv))
-      # The gradient of the held block: this device's part, added to what
-      # the devices before it sent (step >= 2), sent on towards its owner.
       if step == 0:
-        own = dkv
+        # Part of the own block now, the rest behind the last hop home.
+        dq, own = _compute(
+            lambda s, held=held: parts(s, early, held, 0), (dq, own))
       else:
+        dkv = kernel.zeros_like_varying(kv.shape, q)
+        dq, dkv = _compute(lambda s, held=held, step=step: _each_pair(
+            table, step, before[step],
+            lambda s, *a: block(s, *a, held=held, step=step), s), (dq, dkv))
+        # The gradient of the held block: this device's part, added to
+        # what the devices before it sent (step >= 2), sent on towards its
+        # owner.
         if grads is not None:
           dkv = grads.done().reshape(kv.shape) + dkv
         with moving("dk, dv"):
           grads = _send(dkv, cfg)
       if sending:
         held = future.done().reshape(kv.shape)
+    dq, own = _compute(lambda s: parts(s, late, kv, 0), (dq, own))
     if grads is not None:
       own = own + grads.done().reshape(kv.shape)
     return dq, own
