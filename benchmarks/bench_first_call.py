@@ -52,6 +52,11 @@ def _worker(variant: str, n_layers: int, profile: bool,
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
   import jax_overlap as jo  # noqa: PLC0415
+  if os.environ.get("BENCH_NO_USE_ORDER_SPLIT") == "1":
+    # An experiment, not a user's knob: layer 0 runs in the loop instead of
+    # apart, split by the order its weights are used (one copy fewer).
+    from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
+    use_order.ENABLED = False
 
   traces = [0]
 
@@ -259,6 +264,9 @@ def main() -> None:
   ap.add_argument("--scan-unroll", type=int, default=1,
                   help="unroll of the jit and smap variants' lax.scan (copies "
                   "of the layer in their loop, for what a copy costs)")
+  ap.add_argument("--no-use-order-split", action="store_true",
+                  help="experiment: fsdp_scan's layer 0 runs in the loop, not "
+                  "apart (patterns/fsdp/use_order.ENABLED = False)")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--profile-worker", action="store_true",
                   help=argparse.SUPPRESS)
@@ -269,6 +277,7 @@ def main() -> None:
                              args.eager, args.target)))
     return
   os.environ["BENCH_SCAN_UNROLL"] = str(args.scan_unroll)   # to the workers
+  os.environ["BENCH_NO_USE_ORDER_SPLIT"] = str(int(args.no_use_order_split))
   if args.profile:
     os.environ["BENCH_PROFILE_FILTER"] = args.profile_filter   # to the worker
     for n in args.layers:
