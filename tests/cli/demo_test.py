@@ -96,3 +96,33 @@ def test_ctrl_c_stops_after_the_step_and_still_writes(tmp_path):
   report = json.loads((out / "report.json").read_text())
   assert report["demo"]["interrupted"] and 0 < report["demo"]["steps_run"] < 2000
   assert (out / "loss.png").exists() and (out / "timeline.png").exists()
+
+
+@pytest.mark.slow
+def test_pipeline_demo_trains_checks_and_draws_the_stages(tmp_path):
+  out = tmp_path / "demo"
+  res = subprocess.run(DEMO + ["--pipeline", "1f1b", "--microbatches", "4",
+                               "--steps", "2", "--out", str(out),
+                               "--report-width", "0"],
+                       capture_output=True, text=True, timeout=1500, env=ENV)
+  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+  text = res.stdout
+  assert "4 pipeline stages x 2 FSDP devices" in text and "the same" in text
+  assert "ticks send (each send's leaf names its tick" in text
+  report = json.loads((out / "report.json").read_text())
+  assert any((c["leaf"] or "").startswith("pipeline tick")   # the report names the ticks
+             for c in report["collectives"])
+  demo = report["demo"]
+  assert demo["pipeline"] == "1f1b" and demo["steps_run"] == 2
+  assert demo["check"]["grad_max_rel_diff"] < 1e-4
+  trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+  rows = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+  assert {f"stage {d}" for d in range(4)} <= rows
+  assert any(e.get("name", "").endswith("idle (bubble)") for e in trace)
+
+
+def test_pipeline_demo_bad_arguments():
+  res = _run(["--pipeline", "1f1b", "--devices", "4"])
+  assert res.returncode == 2 and "--pipeline runs on 8 devices" in res.stderr
+  res = _run(["--pipeline", "1f1b", "--microbatches", "2"])
+  assert res.returncode == 2 and "--microbatches must be >= 4" in res.stderr

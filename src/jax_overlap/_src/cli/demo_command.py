@@ -1,6 +1,7 @@
 """Train a small transformer with FSDP overlap on CPU devices, and show the overlap.
 
   jax-overlap demo [--steps N] [--devices N] [--out DIR] [--hardware NAME|FILE]
+  jax-overlap demo --pipeline SCHEDULE [--steps N] [--out DIR] ...
 
 Trains a decoder-only transformer (4 blocks, plain jax, optax AdamW) on a
 generated text corpus with `fsdp_scan` on N virtual CPU devices: each block's
@@ -12,6 +13,11 @@ training step (times modelled on a hardware profile, not measured: this CPU
 runs collectives as memory copies), and writes timeline.png, trace.json
 (ui.perfetto.dev), report.json and loss.png to DIR. Ctrl-C stops after the
 current step and still writes everything.
+
+With --pipeline (gpipe, 1f1b or zb-h1) it
+trains the same transformer over 4 pipeline stages x 2 FSDP devices with
+`pipeline_loss` instead, checks it against the model without a pipeline,
+and reports the pipelined step (a row per stage on the timeline: the bubble).
 """
 
 from __future__ import annotations
@@ -41,11 +47,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="model width of the step the report models "
                       "(default 1024; 0: the small step trained here, whose "
                       "transfers are too small to hide anything)")
+  parser.add_argument("--pipeline", metavar="SCHEDULE", default=None,
+                      choices=("gpipe", "1f1b", "zb-h1"),
+                      help="train over 4 pipeline stages x 2 FSDP devices with "
+                      "this schedule (gpipe, 1f1b, zb-h1) instead of FSDP alone")
+  parser.add_argument("--microbatches", type=int, default=8,
+                      help="with --pipeline: microbatches a step (default 8, at "
+                      "least 4)")
 
 
 def run(args: argparse.Namespace) -> int:
   if args.steps < 1:
     return _fail(f"--steps must be >= 1, got {args.steps}")
+  if args.pipeline and args.devices != 8:
+    return _fail(f"--pipeline runs on 8 devices (4 stages x 2 FSDP), got "
+                 f"--devices {args.devices}")
+  if args.pipeline and args.microbatches < 4:
+    return _fail(f"--microbatches must be >= 4 (the stages), got {args.microbatches}")
   if args.devices < 1 or 64 % args.devices:
     return _fail(f"--devices must divide 64 (the model's width), got {args.devices}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -64,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
                  f"{args.report_width}")
   opts = Options(steps=args.steps, devices=args.devices, out=args.out,
                  hardware=args.hardware, report_width=args.report_width)
+  if args.pipeline:
+    from jax_overlap._src.demo import pipeline_training  # noqa: PLC0415
+    return pipeline_training.run(opts, args.pipeline, args.microbatches)
   return demo(opts)
 
 

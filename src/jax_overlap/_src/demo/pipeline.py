@@ -1,0 +1,82 @@
+"""The demo's transformer pipelined: its blocks in p stages over mesh axis
+'pp', each stage an `fsdp_scan` over its blocks sharded over 'fsdp'.
+
+`pipeline_loss` takes a loss of the last stage's activation alone (no
+parameters), so this model reads its logits off the first `vocab` features
+of the last block's output; the embedding runs before the pipeline (its
+gradient comes back through the pipeline's `xs`). `sequential_loss` is the
+same model without a pipeline, the reference the demo checks against
+(tests/cli/demo_test.py).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src.demo import model
+
+PP, FSDP = "pp", "fsdp"
+
+
+def init(cfg: model.Config, stages: int, key) -> dict:
+  """`embed` (vocab, d) replicated; `blocks`, every leaf [p, layers/p, ...]."""
+  if cfg.layers % stages or cfg.vocab > cfg.d:
+    raise ValueError(f"the pipelined demo needs layers ({cfg.layers}) a "
+                     f"multiple of stages ({stages}) and vocab ({cfg.vocab}) "
+                     f"<= width ({cfg.d})")
+  params = model.init(cfg, key)
+  return {"embed": params["embed"], "blocks": jax.tree.map(
+      lambda a: a.reshape((stages, cfg.layers // stages) + a.shape[1:]),
+      params["blocks"])}
+
+
+def specs(params: dict) -> dict:
+  """Stages over 'pp'; in a stage each leaf's first dim after the layer dim
+  over 'fsdp'; the embedding replicated."""
+  return {"embed": P(), "blocks": jax.tree.map(
+      lambda a: P(PP, None, FSDP, *[None] * (a.ndim - 3)), params["blocks"])}
+
+
+def mesh_of(stages: int, fsdp: int):
+  return jax.make_mesh((stages, fsdp), (PP, FSDP),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:stages * fsdp])
+
+
+def logits_loss(vocab: int):
+  def loss(y, targets):
+    return model.cross_entropy(y[..., :vocab], targets)
+  return loss
+
+
+def pipelined_loss(cfg: model.Config, mesh, param_specs, microbatches: int,
+                   schedule: str = "1f1b"):
+  """(params, tokens, targets) -> the mean loss; tokens [batch, seq] sharded
+  over 'fsdp', split into `microbatches` along the batch."""
+  from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
+  from jax_overlap._src.patterns.pipeline.loss import pipeline_loss  # noqa: PLC0415
+
+  def stage(w, x):            # w: this stage's blocks, [layers/p, d/fsdp, ...]
+    return fsdp_scan(model.block(cfg), x, w, axis=FSDP, shard_dims=1)
+
+  def body(params, tokens, targets):
+    split = lambda a: a.reshape((microbatches, -1) + a.shape[1:])
+    xs = model.embed(params, split(tokens))
+    loss = pipeline_loss(stage, logits_loss(cfg.vocab), params["blocks"], xs,
+                         split(targets), axis=PP, schedule=schedule)
+    return jax.lax.pmean(loss, FSDP)
+
+  return jax.shard_map(body, mesh=mesh,
+                       in_specs=(param_specs, P(FSDP), P(FSDP)), out_specs=P())
+
+
+def sequential_loss(cfg: model.Config):
+  """The same model on one device, no pipeline: the reference."""
+  def loss(params, tokens, targets):
+    blocks = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]),
+                          params["blocks"])
+    x = jax.lax.scan(lambda x, w: (model.block(cfg)(x, w), None),
+                     model.embed(params, tokens), blocks)[0]
+    return logits_loss(cfg.vocab)(x, targets)
+  return loss
