@@ -135,7 +135,7 @@ def test_two_futures_in_flight_stay_separate(mesh2):
     b = jo.all_gather_start(2 * x, "i", tiled=True)
     return a.done() + 10 * b.done()
   g = _smap(mesh2, f, P("i"), P("i"))
-  x = _x()
+  x = jnp.arange(32.0).reshape(8, 4)  # whole numbers: a + 10 * 2a is 21a exactly
   want = jax.jit(_smap(mesh2, lambda v: 21 * jax.lax.all_gather(v, "i", tiled=True),
                        P("i"), P("i")))(x)
   np.testing.assert_array_equal(np.asarray(jax.jit(g)(x)), np.asarray(want))
