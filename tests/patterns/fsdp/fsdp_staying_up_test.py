@@ -73,6 +73,7 @@ PROGRAM = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_fsdp_scan_trains_24_layers_30_steps_without_abort_or_hang():
   env = dict(os.environ)

@@ -12,6 +12,7 @@ import pytest
 EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "moe_train.py"
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_moe_train_example_runs():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
