@@ -129,6 +129,7 @@ def test_table_lists_every_entry_point():
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_first_call_in_a_forked_process(case, forked_results):
   result = _result(forked_results, case)
