@@ -7,6 +7,7 @@ mesh), for an MLP stack and a small transformer block.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 import sys
@@ -101,6 +102,15 @@ def reference_loss(layer):
   return loss
 
 
+@functools.cache
+def _reference_value_and_grad(model, n_layers):
+  """The plain scan's loss and gradients on `_inputs(model, n_layers)`: one
+  compile a (model, n_layers), shared by both contexts' grids and every unroll."""
+  x, params = _inputs(model, n_layers)
+  return jax.jit(jax.value_and_grad(reference_loss(MODELS[model][0]), argnums=(0, 1)))(
+      x, params)
+
+
 def shard_map_loss(layer, params, **kwargs):
   mesh = _mesh(False)
 
@@ -155,7 +165,7 @@ GRID_ON_OLDER_JAX = [f"{test}[{model}-{cell}]"
 def test_shard_map_matches_plain_scan(model, n_layers, unroll):
   layer = MODELS[model][0]
   x, params = _inputs(model, n_layers)
-  want = jax.jit(jax.value_and_grad(reference_loss(layer), argnums=(0, 1)))(x, params)
+  want = _reference_value_and_grad(model, n_layers)
   got = jax.jit(jax.value_and_grad(shard_map_loss(layer, params, unroll=unroll),
                                    argnums=(0, 1)))(x, params)
   _close(got, want)
@@ -170,7 +180,7 @@ def test_shard_map_matches_plain_scan(model, n_layers, unroll):
 def test_explicit_mesh_matches_plain_scan(model, n_layers, unroll):
   layer = MODELS[model][0]
   x, params = _inputs(model, n_layers)
-  want = jax.jit(jax.value_and_grad(reference_loss(layer), argnums=(0, 1)))(x, params)
+  want = _reference_value_and_grad(model, n_layers)
   mesh, xs, ps = _explicit_args(x, params)
   with _use_mesh(mesh):
     got = jax.jit(jax.value_and_grad(explicit_loss(layer, unroll=unroll),
