@@ -162,14 +162,6 @@ def _each_pair(table, step: int, before, run, state):
   return state
 
 
-def _compute(fn, state):
-  """`fn(state)` as one step of the ordered ring (a free block): fenced
-  after the rotation started before it and before the one finished after
-  it, its inside left to the compiler. One step, not one fence an
-  operation: the ordered program stays small to compile."""
-  return program_order(enforce=False)(fn)(state)
-
-
 def _send(x, cfg: Config):
   """Starts sending `x` to the next device, as a matrix (the TPU compiler
   may lay out a higher-rank received copy differently from the sent one and
@@ -219,8 +211,7 @@ def _forward(cfg: Config, q, k, v, segment_ids):
             q_seg=seg(q_seg, qf, pair.q_count),
             k_seg=seg(k_segs[step], kf, pair.k_count))
         return kernel.Stats(*(_put(x, y, qf, chunk) for x, y in zip(stats, part)))
-      stats = _compute(lambda s, step=step, block=block: _each_pair(
-          table, step, before[step], block, s), stats)
+      stats = _each_pair(table, step, before[step], block, stats)
       if sending:
         held = future.done().reshape(kv.shape)
     return kernel.finish(stats)
@@ -303,13 +294,13 @@ def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
           future = _send(held, cfg)
       if step == 0:
         # Part of the own block now, the rest behind the last hop home.
-        dq, own = _compute(
-            lambda s, held=held: parts(s, early, held, 0), (dq, own))
+        dq, own = parts((dq, own), early, held, 0)
       else:
         dkv = kernel.zeros_like_varying(kv.shape, q)
-        dq, dkv = _compute(lambda s, held=held, step=step: _each_pair(
+        dq, dkv = _each_pair(
             table, step, before[step],
-            lambda s, *a: block(s, *a, held=held, step=step), s), (dq, dkv))
+            lambda s, *a, held=held, step=step: block(s, *a, held=held,
+                                                       step=step), (dq, dkv))
         # The gradient of the held block: this device's part, added to
         # what the devices before it sent (step >= 2), sent on towards its
         # owner.
@@ -319,7 +310,7 @@ def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
           grads = _send(dkv, cfg)
       if sending:
         held = future.done().reshape(kv.shape)
-    dq, own = _compute(lambda s: parts(s, late, kv, 0), (dq, own))
+    dq, own = parts((dq, own), late, kv, 0)
     if grads is not None:
       own = own + grads.done().reshape(kv.shape)
     return dq, own
