@@ -27,6 +27,7 @@ returns `(compute(), gathered, scattered)`.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -71,6 +72,8 @@ class ShardMapTransfer:
   precision: the dtypes gathers and reduce-scatters carry (precision.py).
   dtypes: each leaf's own dtype (flattened), the one its gradient returns in.
   """
+
+  in_shard_map = True   # the moves are futures; plan.py splits layer 0
 
   def __init__(self, axis, dims, precision=None, dtypes=None, bucket=False,
                replica=None):
@@ -174,6 +177,11 @@ class ShardMapTransfer:
         Precision.back_to(g, d) for g, d in zip(leaves, self.dtypes,
                                                  strict=True)])
 
+  def for_layer(self, layer: Callable, x, shards):
+    """This transfer, fitted to `layer` (inside shard_map: as it is)."""
+    del layer, x, shards
+    return self
+
   def gather_now(self, shards):
     return _finish(self._gather_starts(shards))
 
@@ -256,6 +264,7 @@ class ReshardTransfer:
   """
 
   stages = 1   # HSDP's all-reduce over replicas is the partitioner's here
+  in_shard_map = False
 
   def __init__(self, axes, layouts, precision=None, dtypes=None):
     self.axes = tuple(axes)
@@ -264,6 +273,13 @@ class ReshardTransfer:
     # each leaf's own dtype (flattened), the one its gradient returns in
     self.dtypes = list(dtypes) if dtypes is not None else None
     self.reduced = self._each(lambda lay: lay.fsdp)
+
+  def for_layer(self, layer: Callable, x, shards):
+    """A copy of this transfer whose `reduced` axes are those `layer(x, w)`
+    and its gradient accept (`reduced_axes`); this one is left as it is."""
+    fitted = copy.copy(self)
+    fitted.reduced = self.reduced_axes(layer, x, shards)
+    return fitted
 
   def _each(self, fn):
     return jax.tree.map(fn, self.layouts,
