@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jax_overlap._src.patterns.fsdp import use_order
+
 #: The layer-0 split (use_order.py) is planned only with the default schedule
 #: shape, the one measured on the real compilers (tests/aot).
 _SPLIT_WHEN = "prefetch=1 and reshard_after_forward True or 1"
@@ -398,7 +400,6 @@ def fsdp_plan(n_layers: int, *, prefetch: int = 1,
     >>> [(s.says(), s.scatters) for s in plan.backward][-1]
     ("layer 0's backward [split by use]", (1, 0))
   """
-  from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
   return plan(n_layers, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward,
               futures=bool(shard_map), hsdp=replica_axis is not None,

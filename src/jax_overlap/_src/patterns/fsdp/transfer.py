@@ -62,6 +62,24 @@ from jax_overlap._src.patterns.varying import vary_over
 _DONE_BY_THE_END = (False, True)
 
 
+def futures_step(transfer, compute: Callable[[], Any], gather=None,
+                 scatter=None, finish=None, own=None):
+  """One step of futures: `transfer`'s starts of `gather` and `scatter`,
+  `compute()` in a free block, the dones, in one ordered block (its outputs
+  fenced together, `_DONE_BY_THE_END`). `finish` waits for what a start
+  returned (default `_finish`); `own` maps the scattered gradients to their
+  leaves' own dtypes. Returns `(compute(), gathered, scattered)`."""
+  finish = finish or _finish
+  @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
+  def ordered():
+    gathering = None if gather is None else transfer._gather_starts(gather)
+    scattering = None if scatter is None else transfer._scatter_starts(scatter)
+    out = program_order(enforce=False)(compute)()
+    gathered, scattered = finish(gathering), finish(scattering)
+    return out, gathered, scattered if own is None else own(scattered)
+  return ordered()
+
+
 class ShardMapTransfer:
   """Futures over a mesh axis bound by the enclosing `shard_map`.
 
@@ -196,13 +214,8 @@ class ShardMapTransfer:
     return self._own_dtypes(_finish(self._reduce_starts(scattered)))
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
-    @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
-    def ordered():
-      gathering = None if gather is None else self._gather_starts(gather)
-      scattering = None if scatter is None else self._scatter_starts(scatter)
-      out = program_order(enforce=False)(compute)()
-      return out, _finish(gathering), self._own_dtypes(_finish(scattering))
-    return ordered()
+    return futures_step(self, compute, gather, scatter,
+                        own=self._own_dtypes)
 
   def step2(self, compute: Callable[[], Any], gather=None, scatter=None,
             reduce=None):
