@@ -158,6 +158,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       `(after(x), ys)`), the ys stacked over the layers (aux losses, KV
       caches, sown values); their gradients flow. False: the layer returns x.
 
+  The steps these settings run (what each gathers, computes,
+  reduce-scatters and keeps) are `jax_overlap.fsdp_plan(n_layers, ...)`'s,
+  run by one executor (patterns/fsdp/plan.py, engine.py).
+
   Returns:
     The output of the last layer (with `after`: `after` of it). Its gradients with respect to `params` come
     back sharded exactly like `params`.

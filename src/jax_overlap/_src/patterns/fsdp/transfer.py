@@ -195,6 +195,13 @@ class ShardMapTransfer:
         Precision.back_to(g, d) for g, d in zip(leaves, self.dtypes,
                                                  strict=True)])
 
+  def only(self, members):
+    """A copy of this transfer that moves the leaves at positions `members`
+    only (the others are used as they are, as replicated leaves are)."""
+    part = copy.copy(self)
+    part.dims = [d if k in members else None for k, d in enumerate(self.dims)]
+    return part
+
   def for_layer(self, layer: Callable, x, shards):
     """This transfer, fitted to `layer` (inside shard_map: as it is)."""
     del layer, x, shards

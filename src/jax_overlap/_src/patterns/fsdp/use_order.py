@@ -32,7 +32,6 @@ the stack's ends run as before.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -70,9 +69,7 @@ class _Layer:
     self.moving = [d is not None for d in self.inner.dims]
 
   def _only(self, members):
-    t = copy.copy(self.inner)
-    t.dims = [d if k in members else None for k, d in enumerate(t.dims)]
-    return t
+    return self.inner.only(members)
 
   def _w(self, tree):
     return tree[0] if self.pair else tree
