@@ -65,7 +65,7 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     else:
       inner = lambda: (compute(), [])
     first = shards[0] if shards else None
-    if transfer.stages == 2 and (scatter is not None or reduce is not None):
+    if plan.stages == 2 and (scatter is not None or reduce is not None):
       (out, more), got, scattered, reduced = transfer.step2(
           inner, gather=first, scatter=scatter, reduce=reduce)
     else:
@@ -201,7 +201,7 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
         (x_bar, g), got, scattered, reduced = step(
             lambda: backward(saved(), w, x_bar), params_,
             [i + o for o in offsets], scatter=scatter, reduce=reduce)
-        if transfer.stages == 2:
+        if plan.stages == 2:
           # scattered: layer i+1's shard, all-reduced at the next step;
           # reduced: layer i+2's final gradient.
           if reduced is not None:
@@ -235,7 +235,7 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       x_bar = ends.back_finish(ends_saved, after_bar, x0, bars)
       grads = put(put(grads, g1, 1), g0, 0)
     else:
-      if transfer.stages == 2 and len(pend) == 2:
+      if plan.stages == 2 and len(pend) == 2:
         grads = put(grads, transfer.reduce_now(pend[1]), 1)
       # layer 0's reduce-scatter behind before's backward (or at once)
       x_bar, g0 = ends.enter_back(transfer, ends_saved, after_bar, x_bar,

@@ -225,7 +225,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   steps = plan(n_layers, prefetch=prefetch,
                reshard_after_forward=reshard_after_forward,
                futures=transfer.in_shard_map,
-               hsdp=replica_axis is not None and transfer.stages == 2,
+               hsdp=replica_axis is not None,
                bucket=bucket, before=before is not None,
                after=after is not None, has_ys=has_ys,
                split=use_order.ENABLED)
