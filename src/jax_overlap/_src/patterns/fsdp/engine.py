@@ -118,7 +118,11 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
                                 buffered=1, loop=True)] + steps
 
     def signature(s):
-      return _offsets(s), s.buffered, save and s.keeps, s.loop
+      # Without a gradient nothing is kept: a fenced schedule's runs then
+      # join across the kept layers' first step, and loop where longer than
+      # one step (the plan's loops are those of the pass that saves).
+      looped = s.loop if save or not plan.fence_inputs else None
+      return _offsets(s), s.buffered, save and s.keeps, looped
 
     def body_of(offsets, keep):
       def body(carry, j):
@@ -130,7 +134,9 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       return body
 
     for run_ in runs(steps, signature):
-      offsets, _, keep, _ = signature(run_[0])
+      offsets, _, keep, looped = signature(run_[0])
+      if looped is None:
+        run_ = [s._replace(loop=len(run_) > 1) for s in run_]
       carry, more = loop(body_of(offsets, keep), carry, run_)
       pieces += more
     x, left = ends.leave(carry[0], x_run, save)
