@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_overlap import fsdp_scan  # noqa: E402
 from jax_overlap._src.demo import model  # noqa: E402
-from jax_overlap._src.patterns.fsdp import scan as fsdp_scan_module  # noqa: E402
+from jax_overlap._src.patterns.fsdp import engine as fsdp_scan_module  # noqa: E402
 
 
 def _remainder_last(body, carry, xs, unroll):

@@ -13,6 +13,7 @@ from jax_overlap._src.collectives.misuse import FutureNotFinishedError as Future
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
 from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
+from jax_overlap._src.patterns.fsdp.plan import fsdp_plan as fsdp_plan
 # Seeing the overlap: the report, its cost model and hardware profiles.
 from jax_overlap._src.inspection.api import overlap_report as overlap_report
 # Deprecated alias of overlap_report, kept one release; not in __all__, so a
@@ -56,6 +57,7 @@ __all__ = [
     "all_gather_start",
     "all_to_all_start",
     "fsdp_scan",
+    "fsdp_plan",
     "measure",
     "overlap_report",
     "ppermute_start",

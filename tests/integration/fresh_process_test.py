@@ -112,7 +112,8 @@ def test_table_lists_every_entry_point():
   # Every public function of jax_overlap is some case's first call.
   covered = {"program_order", "all_gather_start", "psum_start",
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
-             "ragged_all_to_all_start", "fsdp_scan", "all_gather_matmul",
+             "ragged_all_to_all_start", "fsdp_scan", "fsdp_plan",
+             "all_gather_matmul",
              "matmul_reduce_scatter", "expert_parallel", "overlap_report",
              "measure", "pipeline_loss", "pipeline_stage_layout",
              "pipeline_schedule", "ring_attention", "ulysses_attention",

@@ -386,6 +386,16 @@ def _pipeline_schedule(context, mesh, checks):
   checks.append("1f1b bubble")
 
 
+def _fsdp_plan(context, mesh, checks):
+  del mesh
+  with _context(context, _mesh(context)):
+    plan = jo.fsdp_plan(4, prefetch=2, reshard_after_forward=2)   # first call
+  # Each layer gathered once in the forward pass; the last two kept.
+  assert sorted(g for s in plan.forward for g in s.gathers) == [0, 1, 2, 3], plan
+  assert [s.layer for s in plan.forward if s.keeps] == [2, 3], plan
+  checks.append("gathers and kept layers")
+
+
 def _dense_attention(q, k, v, causal):
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
   if causal:
@@ -429,6 +439,7 @@ ENTRIES = {
     **{name: (_future(name), CONTEXTS) for name in _FUTURES},
     "fsdp_scan_shard_map": (_fsdp_shard_map, CONTEXTS),
     "fsdp_scan_explicit": (_fsdp_explicit, ("explicit",)),
+    "fsdp_plan": (_fsdp_plan, CONTEXTS),
     "all_gather_matmul": (_collective_matmul("all_gather_matmul"), CONTEXTS),
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),

@@ -354,12 +354,6 @@ MISUSES = [
                   in_specs=(P("i"), P(None, "i")))(X, jnp.ones((2, 4, 4))),
      ValueError, r"fsdp_scan\(after=\.\.\.\) fails on y: \. float32\[4,4\].*"
      r"It is called as after\(y\) on the last layer's output y"),
-    ("fsdp-ends-kept", "before=/after= with reshard_after_forward=2",
-     lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((3, 4, 4)), axis="i",
-                          before=lambda t: t, reshard_after_forward=2),
-     ValueError, r"fsdp_scan\(before=/after=\.\.\.\) runs with "
-     r"reshard_after_forward True or 1 and prefetch=1 only, got "
-     r"reshard_after_forward=2 and prefetch=1"),
     ("fsdp-reshard-after-forward", "reshard_after_forward=3 with 2 layers",
      lambda: jo.fsdp_scan(lambda x, w: x @ w, X, jnp.ones((2, 4, 4)), axis="i",
                           reshard_after_forward=3),

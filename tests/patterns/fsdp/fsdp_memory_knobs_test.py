@@ -30,7 +30,7 @@ import jax_overlap as jo
 from fsdp_knobs_test import (AXIS, CONTEXTS, _close, _hsdp_mesh,
                              _mesh, _specs, mlp_layer)
 from jax_overlap._src.collectives.primitives import collective_start_p
-from jax_overlap._src.patterns.fsdp import pipelined
+from jax_overlap._src.patterns.fsdp import plan as schedule
 
 L, B, D, H = 5, 16, 16, 8
 OLDER_JAX_SUBSET = [
@@ -159,18 +159,18 @@ def test_every_layer_is_gathered_before_its_step(n, p, kept):
   # first is gathered at most p steps ahead; in the backward pass each layer
   # not kept is regathered exactly once, before its step, and a buffer never
   # holds more than p gathered layers.
-  forward = {r: j for j in range(n) for r in pipelined.forward_gathers(j, n, p)}
+  forward = {r: j for j in range(n) for r in schedule.forward_gathers(j, n, p)}
   assert sorted(forward) == list(range(1, n))
   assert all(0 < r - forward[r] <= p for r in forward)
   backward = {}
   for i in range(n - 1, -1, -1):
-    for r in pipelined.backward_gathers(i, n, p, kept):
+    for r in schedule.backward_gathers(i, n, p, kept):
       assert r not in backward and r < i
       backward[r] = i
   regathered_now = [n - 1] if kept == 0 else []
   assert sorted(backward) + regathered_now == list(range(n - kept))
   assert all(backward[r] - r <= p for r in backward)
-  assert max(pipelined._backward_buffered(i, n, p, kept)
+  assert max(schedule.backward_buffered(i, n, p, kept)
              for i in range(n)) <= p
 
 
@@ -181,5 +181,5 @@ def test_loops_unroll_to_a_multiple_of_prefetch():
   # 12 layers, prefetch=3: +2.68 gathered layers over prefetch=2 so, +1.19
   # unrolled by 3). unroll=1 (what jax 0.10.2 needs on explicit meshes that
   # keep layers) stays 1.
-  assert [pipelined.loop_unroll(u, p) for u, p in
+  assert [schedule.loop_unroll(u, p) for u, p in
           [(2, 1), (2, 2), (2, 3), (4, 3), (1, 3), (3, 3)]] == [2, 2, 3, 6, 1, 3]

@@ -54,10 +54,9 @@ def _gather_hint(transfer) -> str:
   """Inside shard_map: which dimension each leaf was gathered along, and how
   to name another (a flax attention `out` kernel is sharded on its last
   dimension when heads < devices)."""
-  inner = getattr(transfer, "inner", transfer)
-  dims = getattr(inner, "dims", None)
-  if not isinstance(inner, ShardMapTransfer) or dims is None:
+  if not transfer.in_shard_map:
     return ""
+  dims = getattr(transfer, "inner", transfer).dims
   said = sorted({d + 1 for d in dims if d is not None})
   return (f" Each leaf was gathered along dimension "
           f"{', '.join(map(str, said)) or '(none)'} (counting the layer "

@@ -38,12 +38,11 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp.precision import Precision
-from jax_overlap._src.patterns.fsdp.transfer import (_DONE_BY_THE_END,
-                                                     LeafLayout,
+from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
-                                                     ShardMapTransfer, _names)
+                                                     ShardMapTransfer, _names,
+                                                     futures_step)
 
 
 class FutureReshardTransfer(ReshardTransfer):
@@ -63,14 +62,8 @@ class FutureReshardTransfer(ReshardTransfer):
     self.bucket = bucket
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
-    @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
-    def ordered():
-      gathering = None if gather is None else self._gather_starts(gather)
-      scattering = None if scatter is None else self._scatter_starts(scatter)
-      out = program_order(enforce=False)(compute)()
-      return (out, None if gathering is None else gathering.finish(),
-              None if scattering is None else scattering.finish())
-    return ordered()
+    return futures_step(self, compute, gather, scatter,
+                        finish=lambda c: None if c is None else c.finish())
 
   def _layouts(self):
     return jax.tree.leaves(self.layouts,

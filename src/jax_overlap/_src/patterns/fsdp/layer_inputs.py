@@ -51,7 +51,8 @@ class PairTransfer:
 
   def __init__(self, inner):
     self.inner = inner
-    self.stages = getattr(inner, "stages", 1)
+    self.stages = inner.stages
+    self.in_shard_map = inner.in_shard_map
 
   def reduce_now(self, pair):
     return self.inner.reduce_now(pair[0]), pair[1]

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-
 from jax_overlap._src import _compat, eager_shard_map
+from jax_overlap._src.patterns.fsdp import engine, use_order
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
                                                       gathered_types,
                                                       traced_layer,
                                                       widen_carry)
-from jax_overlap._src.patterns.fsdp.layer_outputs import LayerOutputs
 from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          check_xs,
-                                                         differentiable,
-                                                         float0_zeros,
                                                          with_layer_inputs)
-from jax_overlap._src.patterns.fsdp import pipelined, use_order
-from jax_overlap._src.patterns.fsdp.memory_knobs import (kept_layers,
-                                                         prefetch_depth)
+from jax_overlap._src.patterns.fsdp.layer_outputs import LayerOutputs
+from jax_overlap._src.patterns.fsdp.one_layer import layer_at
+from jax_overlap._src.patterns.fsdp.plan import (check_bool, kept_layers,
+                                                 loop_unroll, plan,
+                                                 prefetch_depth)
 from jax_overlap._src.patterns.fsdp.precision import Precision
-from jax_overlap._src.patterns.fsdp.stack_ends import (NO_ENDS, StackEnds,
-                                                       check_end, saved_of)
-from jax_overlap._src.patterns.fsdp.transfer import (ReshardTransfer,
-                                                     ShardMapTransfer)
-from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
+from jax_overlap._src.patterns.fsdp.stack_ends import StackEnds, check_end
 
 
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
@@ -166,6 +158,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       `(after(x), ys)`), the ys stacked over the layers (aux losses, KV
       caches, sown values); their gradients flow. False: the layer returns x.
 
+  The steps these settings run (what each gathers, computes,
+  reduce-scatters and keeps) are `jax_overlap.fsdp_plan(n_layers, ...)`'s,
+  run by one executor (patterns/fsdp/plan.py, engine.py).
+
   Returns:
     The output of the last layer (with `after`: `after` of it). Its gradients with respect to `params` come
     back sharded exactly like `params`.
@@ -214,36 +210,31 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
     raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1, got {unroll!r}.")
   check_remat_policy(remat_policy)
-  if not isinstance(has_ys, bool):
-    raise TypeError(f"fsdp_scan(has_ys=...) must be True or False, got "
-                    f"{has_ys!r}.")
-  if not isinstance(bucket, bool):
-    raise TypeError(f"fsdp_scan(bucket=...) must be True or False, got "
-                    f"{bucket!r}.")
+  check_bool(has_ys, "has_ys")
+  check_bool(bucket, "bucket")
   precision = Precision(param_dtype, reduce_dtype)
   check_end(before, "before")
   check_end(after, "after")
   n_layers = count_layers(params)
-  kept = kept_layers(reshard_after_forward, n_layers)
-  depth = prefetch_depth(prefetch, n_layers)
+  kept_layers(reshard_after_forward, n_layers)   # (checked before the mesh)
+  prefetch_depth(prefetch, n_layers)
   if xs is not None:
     check_xs(xs, n_layers)
-  ends = None if before is None and after is None else \
-      StackEnds(before, after, x)
-  if ends is not None and (kept > 1 or depth > 1):
-    raise ValueError(
-        f"fsdp_scan(before=/after=...) runs with reshard_after_forward True "
-        f"or 1 and prefetch=1 only, got reshard_after_forward="
-        f"{reshard_after_forward!r} and prefetch={prefetch!r} (which keep "
-        f"{kept} layers and gather {depth} ahead). Run before/after around "
-        f"the call instead, or use reshard_after_forward=1 (which hides the "
-        f"backward pass's first regather as well).")
-  x_in, x = x, (x if ends is None else ends.stack_input)
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
                              replica_axis)
+  steps = plan(n_layers, prefetch=prefetch,
+               reshard_after_forward=reshard_after_forward,
+               futures=transfer.in_shard_map,
+               hsdp=replica_axis is not None,
+               bucket=bucket, before=before is not None,
+               after=after is not None, has_ys=has_ys,
+               split=use_order.ENABLED)
+  ends = None if before is None and after is None else \
+      StackEnds(before, after, x)
+  x_in, x = x, (x if ends is None else ends.stack_input)
   if has_ys:
     # Each layer's y rides in the carry, written at its index (layer_outputs.py).
-    outputs = LayerOutputs(layer, x, gathered_types(transfer, _layer(params, 0)),
+    outputs = LayerOutputs(layer, x, gathered_types(transfer, layer_at(params, 0)),
                            xs, n_layers)
     layer, xs = outputs.layer, outputs.xs(xs)
     if ends is None:
@@ -252,17 +243,18 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       before, after = outputs.before(before), outputs.after(after)
       ends = StackEnds(before, after, x_in)
       x = ends.stack_input
-  if isinstance(transfer, ReshardTransfer):
-    trial = layer if xs is None else (
-        lambda x, w, xs0=_layer(xs, 0): layer(x, w, xs0))
-    transfer.reduced = transfer.reduced_axes(trial, x, _layer(params, 0))
+  # The transfer fitted to the layer (on an explicit mesh: how each leaf is
+  # gathered so that the layer's gradient accepts it, transfer.py).
+  trial = layer if xs is None else (
+      lambda x, w, xs0=layer_at(xs, 0): layer(x, w, xs0))
+  transfer = transfer.for_layer(trial, x, layer_at(params, 0))
   if xs is not None:
     # Layer i's weights and xs[i] travel as a pair (layer_inputs.py).
     layer, transfer = with_layer_inputs(layer), PairTransfer(transfer)
     params = (params, xs)
   user_layer = layer
   layer, hoisted, widen = traced_layer(user_layer, x, transfer,
-                                       _layer(params, 0), n_layers)
+                                       layer_at(params, 0), n_layers)
   if widen is not None:
     # The layer makes carry leaves vary over more axes: they start so.
     if ends is None:
@@ -272,267 +264,20 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       ends = StackEnds(lambda v: widen_carry(first(v), widen), after, x_in)
       x = ends.stack_input
     layer, hoisted, _ = traced_layer(user_layer, x, transfer,
-                                     _layer(params, 0), n_layers)
-  if ends is not None:
-    return _fsdp_scan(layer, ends.run_input(x_in, hoisted), params, n_layers,
-                      transfer, unroll, remat_policy, ends,
-                      keep_last=kept == 1)
-  schedule = lambda *a: _fsdp_scan(*a, keep_last=kept == 1)
-  if kept > 1 or depth > 1:   # more layers keep their weights, or deeper prefetch
-    if kept and not isinstance(getattr(transfer, "inner", transfer),
-                               ShardMapTransfer):
+                                     layer_at(params, 0), n_layers)
+  if steps.kept > 1 or steps.prefetch > 1:
+    # Loops that carry several gathered layers (plan.loop_unroll); kept
+    # layers saved on an explicit mesh need the unroll _compat gives.
+    if steps.kept and not transfer.in_shard_map:
       unroll = _compat.unroll_saving_reduced(unroll)
-    schedule = lambda *a: pipelined.run(*a, kept=kept, prefetch=depth)
+    unroll = loop_unroll(unroll, steps.prefetch)
+  if ends is not None:
+    return engine.run(steps, layer, ends.run_input(x_in, hoisted), params,
+                      transfer, unroll, remat_policy, ends)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
     # they ride along in the carry, so their gradients flow like x's.
-    y, _ = schedule(layer, (x, hoisted), params, n_layers, transfer,
-                    unroll, remat_policy)
+    y, _ = engine.run(steps, layer, (x, hoisted), params, transfer, unroll,
+                      remat_policy)
     return y
-  return schedule(layer, x, params, n_layers, transfer, unroll, remat_policy)
-
-
-def _fsdp_scan(layer, x, params, n_layers, transfer, unroll, remat_policy,
-               ends=NO_ENDS, keep_last=False):
-  x_avals = []   # x's types as one layer sees them (for the backward's trace)
-  split = use_order.applies(transfer, n_layers)
-
-  def forward(x, params, save: bool):
-    def run_layer(x, w):
-      if not save:
-        return layer(x, w), None
-      x_avals[:] = [jax.tree.map(jax.typeof, x)]
-      return _layer_forward(layer, remat_policy, x, w)
-
-    def body(carry, i):   # i: the layer whose weights to prefetch
-      x, w = carry
-      (x, saved), w_next, _ = transfer.step(lambda: run_layer(x, w),
-                                            gather=_layer(params, i))
-      return (x, w_next), saved
-
-    x_run = x   # with ends: (x, hoisted, before's and after's consts)
-    # Layer 0's gathers split by use order (use_order.py), else one.
-    first = None if not split else use_order.forward_first(
-        transfer, run_layer, lambda: ends.enter_compute(x_run, save),
-        _layer(params, 0), _layer(params, 1))
-    if first is None:
-      x, w0, entered = ends.enter(transfer, x_run, _layer(params, 0), save)
-      saved0, loop_from = None, 1
-    else:
-      x, saved0, entered, w0 = first
-      loop_from = 2
-    (x, w_last), saved = _scan_remainder_first(
-        body, (x, w0), jnp.arange(loop_from, n_layers), unroll)
-    (x, saved_last), _, _ = transfer.step(lambda: run_layer(x, w_last))
-    x, left = ends.leave(x, x_run, save)
-    # keep_last: the last layer's gathered weights are saved (the backward
-    # pass starts with it; reshard_after_forward=1, memory_knobs.py).
-    return x, (saved, saved_last, saved_of(ends, entered, left, x_run),
-               w_last if keep_last and save else None, saved0)
-
-  @jax.custom_vjp
-  def run(x, params):
-    return forward(x, params, save=False)[0]
-
-  def run_fwd(x, params):
-    y, saved = forward(x, params, save=True)
-    return y, (saved, params)
-
-  def run_bwd(residuals, y_bar):
-    # `saved` holds the pullbacks of layers 0 .. n-2, `saved_last` layer n-1's.
-    (saved, saved_last, ends_saved, w_last, saved0), params = residuals
-    # With layer 0 split, `saved` holds layers 1 .. n-2 and saved0 layer 0.
-    saved_at = (lambda i: saved0 if isinstance(i, int) and i == 0
-                else _layer(saved, i - 1)) if saved0 is not None \
-        else (lambda i: _layer(saved, i))
-    backward = lambda pullback, w, y_bar: _layer_backward(
-        layer, pullback, w, x_avals[0], y_bar)
-    # Integer, boolean and key parts of xs have float0 cotangents: a scalar
-    # stands in their stack during the loop, float0 zeros come back.
-    grads = jax.tree.map(
-        lambda p: jnp.zeros_like(p) if differentiable(p) else jnp.zeros(()),
-        params)
-    put = lambda grads, g, i: jax.tree.map(
-        lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0)
-        if G.ndim else G, grads, g)
-
-    # With keep_last the last layer's weights were saved: nothing to gather.
-    y_bar, w, after_bar = ends.leave_back(
-        transfer, ends_saved, y_bar,
-        None if keep_last else _layer(params, n_layers - 1))
-    if keep_last:
-      w = w_last
-    scatter_first = lambda x_bar, g0: ends.enter_back(
-        transfer, ends_saved, after_bar, x_bar, g0)
-    if n_layers == 1:
-      x_bar, g = backward(saved_last, w, y_bar)
-      x_bar, g = scatter_first(x_bar, g)
-      grads = put(grads, g, 0)
-      return x_bar, jax.tree.map(
-          lambda G, p: G if differentiable(p) else float0_zeros(p), grads,
-          params)
-
-    finish = lambda grads: jax.tree.map(
-        lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
-    if transfer.stages == 2:
-      x_bar, grads = _hsdp_backward(transfer, backward, saved_at, saved_last,
-                                    params, w, y_bar, grads, put, n_layers,
-                                    unroll, scatter_first)
-      return x_bar, finish(grads)
-
-    (x_bar, pending), w, _ = transfer.step(
-        lambda: backward(saved_last, w, y_bar),
-        gather=_layer(params, n_layers - 2))
-
-    def body(carry, i):   # layer i's backward; prefetch i-1, scatter i+1
-      x_bar, w, pending, grads = carry
-      (x_bar, g), w_prev, done = transfer.step(
-          lambda: backward(saved_at(i), w, x_bar),
-          gather=_layer(params, i - 1), scatter=pending)
-      return (x_bar, w_prev, g, put(grads, done, i + 1)), None
-
-    if n_layers > 2:   # (with layer 0 split, 2 layers save no stack)
-      (x_bar, w, pending, grads), _ = _scan_remainder_first(
-          body, (x_bar, w, pending, grads), jnp.arange(n_layers - 2, 0, -1),
-          unroll)
-    # Layer 0's gradients reduce-scattered as they are finished
-    # (use_order.py), else in one reduce-scatter behind before's backward.
-    last = None if not split else use_order.backward_first(
-        transfer, backward, saved_at(0), w, x_bar, pending,
-        lambda x0: ends.back_compute(ends_saved, x0))
-    if last is None:
-      (x_bar, g0), _, g1 = transfer.step(
-          lambda: backward(saved_at(0), w, x_bar), scatter=pending)
-      x_bar, g0 = scatter_first(x_bar, g0)
-    else:
-      (bars, x0), g0, g1 = last
-      x_bar = ends.back_finish(ends_saved, after_bar, x0, bars)
-    grads = put(put(grads, g1, 1), g0, 0)
-    return x_bar, jax.tree.map(
-        lambda G, p: G if differentiable(p) else float0_zeros(p), grads, params)
-
-  run.defvjp(run_fwd, run_bwd)
-  return run(x, params)
-
-
-def _hsdp_backward(transfer, backward, saved_at, saved_last, params, w, y_bar,
-                   grads, put, n_layers, unroll, scatter_first):
-  """The backward pass with a second stage (HSDP): layer i's step prefetches
-  layer i-1, reduce-scatters layer i+1's gradient over the fsdp axis and
-  all-reduces layer i+2's (reduce-scattered a step before) over the
-  replicas. Returns `(x_bar, grads)`."""
-  (x_bar, g), w, _, _ = transfer.step2(
-      lambda: backward(saved_last, w, y_bar),
-      gather=_layer(params, n_layers - 2))
-  if n_layers == 2:
-    (x_bar, g0), _, s1, _ = transfer.step2(
-        lambda: backward(saved_at(0), w, x_bar), scatter=g)
-    grads = put(grads, transfer.reduce_now(s1), 1)
-    x_bar, g0 = scatter_first(x_bar, g0)
-    return x_bar, put(grads, g0, 0)
-  # Layer n-2: nothing scattered yet to all-reduce.
-  (x_bar, g_next), w, s, _ = transfer.step2(
-      lambda: backward(saved_at(n_layers - 2), w, x_bar),
-      gather=_layer(params, n_layers - 3), scatter=g)
-
-  def body(carry, i):   # layer i's backward; prefetch i-1, scatter i+1,
-    x_bar, w, g, s, grads = carry   # all-reduce i+2
-    (x_bar, g_i), w_prev, s_next, done = transfer.step2(
-        lambda: backward(saved_at(i), w, x_bar),
-        gather=_layer(params, i - 1), scatter=g, reduce=s)
-    return (x_bar, w_prev, g_i, s_next, put(grads, done, i + 2)), None
-
-  (x_bar, w, g, s, grads), _ = _scan_remainder_first(
-      body, (x_bar, w, g_next, s, grads), jnp.arange(n_layers - 3, 0, -1),
-      unroll)
-  (x_bar, g0), _, s1, done2 = transfer.step2(
-      lambda: backward(saved_at(0), w, x_bar), scatter=g, reduce=s)
-  grads = put(put(grads, done2, 2), transfer.reduce_now(s1), 1)
-  x_bar, g0 = scatter_first(x_bar, g0)
-  return x_bar, put(grads, g0, 0)
-
-
-def _scan_remainder_first(body, carry, xs, unroll: int):
-  """`lax.scan(body, carry, xs, unroll=unroll)`, with the `len(xs) % unroll`
-  iterations that do not fill a loop trip run first, unrolled, not after the
-  loop as lax.scan runs them.
-
-  Why: XLA's CPU runtime starts a collective that follows a while loop as
-  soon as the loop has started, when the collective's operands do not come
-  from the loop (our barriers order it in the HLO schedule, but the runtime
-  drops barriers), and jax gives every collective the same channel id, which
-  keys the rendezvous. The remainder's gathers read only the params, so they
-  met the loop's gathers in one rendezvous: the process aborted ("Check
-  failed: id < num_threads"), hung, or crashed. Collectives before a loop
-  have finished when it starts. See benchmarks/repro_cpu_loop_collectives.py.
-  """
-  length = jax.tree.leaves(xs)[0].shape[0]
-  head = length % unroll
-  if not head:
-    return lax.scan(body, carry, xs, unroll=unroll)
-  split = lambda lo, hi: jax.tree.map(lambda a: a[lo:hi], xs)
-  carry, ys_head = lax.scan(body, carry, split(0, head), unroll=True)
-  if head == length:
-    return carry, ys_head
-  carry, ys = lax.scan(body, carry, split(head, length), unroll=unroll)
-  return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys_head, ys)
-
-
-# --- one layer, forward and backward -------------------------------------------------
-
-def _layer(stacked, i):
-  """Layer `i` of a stacked pytree, read in place (no copy of the stack)."""
-  return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False),
-                      stacked)
-
-
-class _Slot:
-  """Stands in a saved pullback for frontier value `index`, which is not
-  saved: the backward pass computes it again from the regathered weights."""
-
-  __slots__ = ("index",)
-
-  def __init__(self, index: int):
-    self.index = index
-
-  def __repr__(self):
-    return f"_Slot({self.index})"
-
-
-jax.tree_util.register_pytree_node(_Slot, lambda s: ((), s.index),
-                                   lambda index, _: _Slot(index))
-
-
-def _rest_fn(split, remat_policy):
-  if remat_policy is None:
-    return split.rest
-  return jax.checkpoint(split.rest, policy=remat_policy)
-
-
-def _layer_forward(layer, remat_policy, x, w):
-  """The layer's output and its pullback, with every value the weights alone
-  determine left out (a `_Slot` in its place)."""
-  split = split_by_weights(layer, x, w)
-  frontier = split.prep(w)
-  y, pullback = jax.vjp(_rest_fn(split, remat_policy), x, frontier)
-  leaves, tree = jax.tree.flatten(pullback)
-  ids = {id(f): k for k, f in enumerate(frontier)}
-  leaves = [_Slot(ids[id(leaf)]) if id(leaf) in ids else leaf for leaf in leaves]
-  return y, jax.tree.unflatten(tree, leaves)
-
-
-def _layer_backward(layer, pullback, w, x_avals, y_bar):
-  """x's cotangent and the full weights' gradient, from a saved pullback
-  (which already recomputes what the remat policy did not save).
-
-  The layer is traced again on x's own types, not on the cotangent's: an
-  integer, boolean or PRNG-key part of x has a float0 cotangent, which the
-  layer could not index, compare or split with."""
-  split = split_by_weights(layer, x_avals, w)
-  frontier, prep_pullback = jax.vjp(split.prep, w)
-  leaves, tree = jax.tree.flatten(pullback,
-                                  is_leaf=lambda v: isinstance(v, _Slot))
-  leaves = [frontier[v.index] if isinstance(v, _Slot) else v for v in leaves]
-  x_bar, frontier_bar = jax.tree.unflatten(tree, leaves)(y_bar)
-  (w_bar,) = prep_pullback(frontier_bar)
-  return x_bar, w_bar
+  return engine.run(steps, layer, x, params, transfer, unroll, remat_policy)

@@ -27,6 +27,7 @@ returns `(compute(), gathered, scattered)`.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -61,6 +62,24 @@ from jax_overlap._src.patterns.varying import vary_over
 _DONE_BY_THE_END = (False, True)
 
 
+def futures_step(transfer, compute: Callable[[], Any], gather=None,
+                 scatter=None, finish=None, own=None):
+  """One step of futures: `transfer`'s starts of `gather` and `scatter`,
+  `compute()` in a free block, the dones, in one ordered block (its outputs
+  fenced together, `_DONE_BY_THE_END`). `finish` waits for what a start
+  returned (default `_finish`); `own` maps the scattered gradients to their
+  leaves' own dtypes. Returns `(compute(), gathered, scattered)`."""
+  finish = finish or _finish
+  @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
+  def ordered():
+    gathering = None if gather is None else transfer._gather_starts(gather)
+    scattering = None if scatter is None else transfer._scatter_starts(scatter)
+    out = program_order(enforce=False)(compute)()
+    gathered, scattered = finish(gathering), finish(scattering)
+    return out, gathered, scattered if own is None else own(scattered)
+  return ordered()
+
+
 class ShardMapTransfer:
   """Futures over a mesh axis bound by the enclosing `shard_map`.
 
@@ -71,6 +90,8 @@ class ShardMapTransfer:
   precision: the dtypes gathers and reduce-scatters carry (precision.py).
   dtypes: each leaf's own dtype (flattened), the one its gradient returns in.
   """
+
+  in_shard_map = True   # the moves are futures; plan.py splits layer 0
 
   def __init__(self, axis, dims, precision=None, dtypes=None, bucket=False,
                replica=None):
@@ -174,6 +195,18 @@ class ShardMapTransfer:
         Precision.back_to(g, d) for g, d in zip(leaves, self.dtypes,
                                                  strict=True)])
 
+  def only(self, members):
+    """A copy of this transfer that moves the leaves at positions `members`
+    only (the others are used as they are, as replicated leaves are)."""
+    part = copy.copy(self)
+    part.dims = [d if k in members else None for k, d in enumerate(self.dims)]
+    return part
+
+  def for_layer(self, layer: Callable, x, shards):
+    """This transfer, fitted to `layer` (inside shard_map: as it is)."""
+    del layer, x, shards
+    return self
+
   def gather_now(self, shards):
     return _finish(self._gather_starts(shards))
 
@@ -188,13 +221,8 @@ class ShardMapTransfer:
     return self._own_dtypes(_finish(self._reduce_starts(scattered)))
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
-    @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
-    def ordered():
-      gathering = None if gather is None else self._gather_starts(gather)
-      scattering = None if scatter is None else self._scatter_starts(scatter)
-      out = program_order(enforce=False)(compute)()
-      return out, _finish(gathering), self._own_dtypes(_finish(scattering))
-    return ordered()
+    return futures_step(self, compute, gather, scatter,
+                        own=self._own_dtypes)
 
   def step2(self, compute: Callable[[], Any], gather=None, scatter=None,
             reduce=None):
@@ -256,6 +284,7 @@ class ReshardTransfer:
   """
 
   stages = 1   # HSDP's all-reduce over replicas is the partitioner's here
+  in_shard_map = False
 
   def __init__(self, axes, layouts, precision=None, dtypes=None):
     self.axes = tuple(axes)
@@ -264,6 +293,13 @@ class ReshardTransfer:
     # each leaf's own dtype (flattened), the one its gradient returns in
     self.dtypes = list(dtypes) if dtypes is not None else None
     self.reduced = self._each(lambda lay: lay.fsdp)
+
+  def for_layer(self, layer: Callable, x, shards):
+    """A copy of this transfer whose `reduced` axes are those `layer(x, w)`
+    and its gradient accept (`reduced_axes`); this one is left as it is."""
+    fitted = copy.copy(self)
+    fitted.reduced = self.reduced_axes(layer, x, shards)
+    return fitted
 
   def _each(self, fn):
     return jax.tree.map(fn, self.layouts,

@@ -32,7 +32,6 @@ the stack's ends run as before.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -43,7 +42,7 @@ from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.layer_inputs import PairTransfer
 from jax_overlap._src.patterns.fsdp.precision import Precision
-from jax_overlap._src.patterns.fsdp.transfer import ShardMapTransfer, _finish
+from jax_overlap._src.patterns.fsdp.transfer import _finish
 from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
 
 #: The split is on by default (chosen by measurement, docs/fsdp.md); the
@@ -53,13 +52,6 @@ ENABLED = True
 #: Equations that are compute worth hiding a transfer behind.
 _HEAVY = frozenset({"dot_general", "conv_general_dilated", "ragged_dot",
                     "ragged_dot_general"})
-
-
-def applies(transfer, n_layers: int) -> bool:
-  """Whether the ends can be split: futures (inside shard_map) and a stack
-  with a first layer distinct from its last."""
-  inner = transfer.inner if isinstance(transfer, PairTransfer) else transfer
-  return ENABLED and n_layers >= 2 and isinstance(inner, ShardMapTransfer)
 
 
 # --- the layer's leaves, grouped ------------------------------------------------
@@ -77,9 +69,7 @@ class _Layer:
     self.moving = [d is not None for d in self.inner.dims]
 
   def _only(self, members):
-    t = copy.copy(self.inner)
-    t.dims = [d if k in members else None for k, d in enumerate(t.dims)]
-    return t
+    return self.inner.only(members)
 
   def _w(self, tree):
     return tree[0] if self.pair else tree

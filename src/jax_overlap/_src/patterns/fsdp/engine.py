@@ -1,0 +1,281 @@
+"""`fsdp_scan`'s one executor: runs any plan (plan.py) under one custom VJP.
+
+The forward pass runs the plan's forward steps: the entry (layer 0's gather
+behind `before`, or at once; with the layer-0 split, `before` and layer 0 in
+one block, use_order.py), one step a layer, then `after`. The backward pass
+runs its backward steps: `after`'s backward (hiding the last layer's
+regather), one step a layer, then layer 0's reduce-scatter behind `before`'s
+backward (or, split, inside layer 0's step). Each step is
+`transfer.step(compute, gather=..., scatter=...)` (HSDP: `step2` with the
+all-reduce); a step gathering several layers nests them.
+
+Consecutive layer steps that do the same thing relative to their layer (the
+same gathers, buffer length, weights' source, pending reduce-scatters) run as
+one `lax.scan` (remainder first, `_scan_remainder_first`); the others run one
+by one. Values and gradients equal `lax.scan`'s for every plan
+(tests/patterns/fsdp/fsdp_plan_test.py, fsdp_memory_knobs_test.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_overlap._src.ordering.decorator import program_order
+from jax_overlap._src.patterns.fsdp import use_order
+from jax_overlap._src.patterns.fsdp.layer_inputs import (differentiable,
+                                                         float0_zeros)
+from jax_overlap._src.patterns.fsdp.one_layer import (layer_at, layer_backward,
+                                                      layer_forward)
+from jax_overlap._src.patterns.fsdp.plan import backward_signature, runs
+from jax_overlap._src.patterns.fsdp.stack_ends import NO_ENDS, saved_of
+
+
+def _offsets(step) -> tuple:
+  return tuple(g - step.layer for g in step.gathers)
+
+
+def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
+  """`fsdp_scan`'s result under `plan` (with its custom gradient). `x` is
+  what `ends` reads (with `StackEnds`: x, the hoisted values and the ends'
+  consts; else the stack's carry)."""
+  n = plan.n_layers
+  x_avals = []   # x's types as one layer sees them (for the backward's trace)
+
+  def step(compute, stack, gathers, scatter=None, reduce=None):
+    """`compute()` with the gathers of the layers `gathers` of `stack` (and the
+    reduce-scatter / all-reduce) in flight. Returns (out, gathered list,
+    scattered, reduced). Several gathers: nested ordered steps.
+
+    With `plan.fence_inputs` the step's inputs are fenced together before its
+    first operation, so its gathers start at this step, not before (plan.py
+    says where and why)."""
+    shards = [layer_at(stack, g) for g in gathers]
+    steps = lambda: _nested_steps(compute, shards, scatter, reduce)
+    if not plan.fence_inputs:
+      return steps()
+    return program_order(enforce=True, strict_in_out=(True, False))(steps)()
+
+  def _nested_steps(compute, shards, scatter=None, reduce=None):
+    if len(shards) > 1:
+      def inner():
+        out, more, _, _ = _nested_steps(compute, shards[1:])
+        return out, more
+    else:
+      inner = lambda: (compute(), [])
+    first = shards[0] if shards else None
+    if plan.stages == 2 and (scatter is not None or reduce is not None):
+      (out, more), got, scattered, reduced = transfer.step2(
+          inner, gather=first, scatter=scatter, reduce=reduce)
+    else:
+      (out, more), got, scattered = transfer.step(inner, gather=first,
+                                                  scatter=scatter)
+      reduced = None
+    return out, ([got] if shards else []) + more, scattered, reduced
+
+  def loop(body, carry, steps, descending=False):
+    """`body` over `steps` (consecutive layers): one `lax.scan` where the plan
+    loops over them, else one call each. Returns the carry and the pieces
+    of what the bodies saved: `(first layer, last + 1, saved, stacked)`."""
+    if not steps[0].loop:
+      pieces = []
+      for s in steps:
+        carry, saved = body(carry, s.layer)
+        pieces.append((s.layer, s.layer + 1, saved, False))
+      return carry, pieces
+    layers = [s.layer for s in steps]
+    index = jnp.arange(layers[0], layers[-1] + (-1 if descending else 1),
+                       -1 if descending else 1)
+    carry, saved = _scan_remainder_first(body, carry, index, unroll)
+    return carry, [(min(layers), max(layers) + 1, saved, True)]
+
+  # --- forward ---------------------------------------------------------------------
+
+  def forward(x_run, params_, save: bool):
+    def run_layer(x, w):
+      if not save:
+        return layer(x, w), None
+      x_avals[:] = [jax.tree.map(jax.typeof, x)]
+      return layer_forward(layer, remat_policy, x, w)
+
+    entry, *steps = [s for s in plan.forward if s.compute != "after"]
+    pieces = []   # (first layer, last layer + 1, (saved, kept), stacked)
+    first = None
+    if entry.split:   # before and layer 0 in one block (use_order.py)
+      first = use_order.forward_first(
+          transfer, run_layer, lambda: ends.enter_compute(x_run, save),
+          layer_at(params_, 0), layer_at(params_, 1))
+    if first is not None:
+      x, saved0, entered, w1 = first
+      carry = (x, (w1,))
+      pieces.append((0, 1, (saved0, None), False))
+    else:
+      x, w0, entered = ends.enter(transfer, x_run, layer_at(params_, 0), save)
+      carry = (x, (w0,))
+      if entry.split:   # one group only: layer 0 loops with the others
+        steps = [entry._replace(gathers=entry.gathers[1:], split=False,
+                                buffered=1, loop=True)] + steps
+
+    def signature(s):
+      # Without a gradient nothing is kept: a fenced schedule's runs then
+      # join across the kept layers' first step, and loop where longer than
+      # one step (the plan's loops are those of the pass that saves).
+      looped = s.loop if save or not plan.fence_inputs else None
+      return _offsets(s), s.buffered, save and s.keeps, looped
+
+    def body_of(offsets, keep):
+      def body(carry, j):
+        x, buf = carry
+        (x, saved), got, _, _ = step(lambda: run_layer(x, buf[0]), params_,
+                                     [j + o for o in offsets])
+        return (x, tuple(buf[1:]) + tuple(got)), (saved, buf[0] if keep
+                                                  else None)
+      return body
+
+    for run_ in runs(steps, signature):
+      offsets, _, keep, looped = signature(run_[0])
+      if looped is None:
+        run_ = [s._replace(loop=len(run_) > 1) for s in run_]
+      carry, more = loop(body_of(offsets, keep), carry, run_)
+      pieces += more
+    x, left = ends.leave(carry[0], x_run, save)
+    return x, (pieces, saved_of(ends, entered, left, x_run))
+
+  @jax.custom_vjp
+  def run_(x, params_):
+    return forward(x, params_, save=False)[0]
+
+  def run_fwd(x, params_):
+    y, saved = forward(x, params_, save=True)
+    return y, (saved, params_)
+
+  # --- backward --------------------------------------------------------------------
+
+  def run_bwd(residuals, out_bar):
+    (pieces, ends_saved), params_ = residuals
+    if plan.fence_inputs:
+      # The backward pass reads the stack through a barrier: else a regather
+      # can be the very op of a forward gather (same layer, same operand) and
+      # XLA merges the two starts, which have two dones (the H100 compiler's
+      # verifier refused 6 layers with prefetch=3 so).
+      params_ = lax.optimization_barrier(params_)
+    backward = lambda pullback, w, y_bar: layer_backward(
+        layer, pullback, w, x_avals[0], y_bar)
+    # Integer, boolean and key parts of xs have float0 cotangents: a scalar
+    # stands in their stack during the loop, float0 zeros come back.
+    grads = jax.tree.map(
+        lambda p_: jnp.zeros_like(p_) if differentiable(p_) else jnp.zeros(()),
+        params_)
+    put = lambda grads, g, i: jax.tree.map(
+        lambda G, g: lax.dynamic_update_index_in_dim(G, g, i, 0)
+        if G.ndim else G, grads, g)
+    piece_of = lambda i: next(k for k, (lo, hi, _, _) in enumerate(pieces)
+                              if lo <= i < hi)
+
+    def saved_at(i, part, piece=None):   # part 0: the pullback, 1: the kept
+      # weights; `piece`: where layer i is saved (given for a traced i)
+      lo, _, ys, stacked = pieces[piece_of(i) if piece is None else piece]
+      return layer_at(ys[part], i - lo) if stacked else ys[part]
+
+    steps = [s for s in plan.backward if "layer_back" in s.compute]
+    entry = plan.backward[0] if plan.backward[0] is not steps[0] else None
+    regather_last = entry is not None and bool(entry.gathers)
+    # after's backward with the last layer's regather in flight
+    y_bar, w, after_bar = ends.leave_back(
+        transfer, ends_saved, out_bar,
+        layer_at(params_, n - 1) if regather_last else None)
+    split = steps[-1] if steps[-1].split else None
+    if split is not None:
+      steps = steps[:-1]
+    def signature(s):
+      return (*backward_signature(s, piece_of), s.loop)
+
+    def body_of(offsets, from_saved, pending, piece):
+      def body(carry, i):
+        x_bar, buf, pend, grads = carry
+        # Layer i's residuals: read inside the step, or, with fenced inputs,
+        # before it (the fence then holds one layer's, not the stack).
+        saved = (lambda: saved_at(i, 0, piece)) if not plan.fence_inputs \
+            else (lambda one=saved_at(i, 0, piece): one)
+        if from_saved:
+          w = saved_at(i, 1, piece)
+        else:
+          w, buf = buf[0], tuple(buf[1:])
+        scatter = pend[0] if pending >= 1 else None
+        reduce = pend[1] if pending >= 2 else None
+        (x_bar, g), got, scattered, reduced = step(
+            lambda: backward(saved(), w, x_bar), params_,
+            [i + o for o in offsets], scatter=scatter, reduce=reduce)
+        if plan.stages == 2:
+          # scattered: layer i+1's shard, all-reduced at the next step;
+          # reduced: layer i+2's final gradient.
+          if reduced is not None:
+            grads = put(grads, reduced, i + 2)
+          pend = (g,) + ((scattered,) if scattered is not None else ())
+        else:
+          if scattered is not None:
+            grads = put(grads, scattered, i + 1)
+          pend = (g,)
+        return (x_bar, buf + tuple(got), pend, grads), None
+      return body
+
+    carry = (y_bar, (w,) if regather_last else (), (), grads)
+    for run_ in runs(steps, signature):
+      offsets, _, weights, pending, piece, _ = signature(run_[0])
+      carry, _ = loop(body_of(offsets, weights == "kept", pending, piece),
+                      carry, run_, descending=True)
+    x_bar, buf, pend, grads = carry
+    last = None
+    if split is not None:   # layer 0's gradients reduce-scattered by use
+      w0 = saved_at(0, 1) if split.weights == "kept" else buf[0]
+      last = use_order.backward_first(
+          transfer, backward, saved_at(0, 0), w0, x_bar, pend[0],
+          lambda x0: ends.back_compute(ends_saved, x0))
+      if last is None:   # one group only: layer 0 runs as its own step
+        carry, _ = loop(body_of((), split.weights == "kept", 1, piece_of(0)),
+                        carry, [split._replace(split=False)])
+        x_bar, _, pend, grads = carry
+    if last is not None:
+      (bars, x0), g0, g1 = last
+      x_bar = ends.back_finish(ends_saved, after_bar, x0, bars)
+      grads = put(put(grads, g1, 1), g0, 0)
+    else:
+      if plan.stages == 2 and len(pend) == 2:
+        grads = put(grads, transfer.reduce_now(pend[1]), 1)
+      # layer 0's reduce-scatter behind before's backward (or at once)
+      x_bar, g0 = ends.enter_back(transfer, ends_saved, after_bar, x_bar,
+                                  pend[0])
+      grads = put(grads, g0, 0)
+    return x_bar, jax.tree.map(
+        lambda G, p_: G if differentiable(p_) else float0_zeros(p_), grads,
+        params_)
+
+  run_.defvjp(run_fwd, run_bwd)
+  return run_(x, params)
+
+
+def _scan_remainder_first(body, carry, xs, unroll: int):
+  """`lax.scan(body, carry, xs, unroll=unroll)`, with the `len(xs) % unroll`
+  iterations that do not fill a loop trip run first, unrolled, not after the
+  loop as lax.scan runs them.
+
+  Why: XLA's CPU runtime starts a collective that follows a while loop as
+  soon as the loop has started, when the collective's operands do not come
+  from the loop (our barriers order it in the HLO schedule, but the runtime
+  drops barriers), and jax gives every collective the same channel id, which
+  keys the rendezvous. The remainder's gathers read only the params, so they
+  met the loop's gathers in one rendezvous: the process aborted ("Check
+  failed: id < num_threads"), hung, or crashed. Collectives before a loop
+  have finished when it starts. See benchmarks/repro_cpu_loop_collectives.py.
+  """
+  length = jax.tree.leaves(xs)[0].shape[0]
+  head = length % unroll
+  if not head:
+    return lax.scan(body, carry, xs, unroll=unroll)
+  split = lambda lo, hi: jax.tree.map(lambda a: a[lo:hi], xs)
+  carry, ys_head = lax.scan(body, carry, split(0, head), unroll=True)
+  if head == length:
+    return carry, ys_head
+  carry, ys = lax.scan(body, carry, split(head, length), unroll=unroll)
+  return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys_head, ys)
