@@ -15,12 +15,24 @@ Markers:
   quick run.
 """
 
+import importlib.util
 import os
 import pathlib
 import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# XLA:CPU's LLVM backend at -O0: the tests' programs are tiny, so compiling
+# costs far more than running, and -O0 cuts a compile's CPU time 2-3x. Only
+# the machine code differs: the optimized HLO the tests read is the same text
+# (checked on fsdp_test's transformer program). Subprocesses inherit it. Not
+# in a venv with the real TPU/GPU compilers (tests/aot): theirs keep XLA's
+# defaults.
+_O0 = "--xla_backend_optimization_level=0"
+if (not any(importlib.util.find_spec(m) for m in ("libtpu", "jax_cuda12_plugin"))
+    and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -140,7 +140,8 @@ def run_blocks(blocks: list[Block], cwd: pathlib.Path | None = None,
       if b.requires and here < _version(b.requires) else None))
       for b in blocks]
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"),  # conftest's
+                                              "--xla_force_host_platform_device_count=8"])),
              MPLBACKEND="Agg")
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
