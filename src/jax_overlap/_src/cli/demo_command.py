@@ -165,26 +165,12 @@ def demo(opts) -> int:
   say(training.compare_line(reports))
   say(training.measured_line(train_step, params, opt_state, probe))
 
-  written = []
-  report.save_timeline(out / "timeline.png")
-  written.append(out / "timeline.png")
-  report.save_trace(out / "trace.json")
-  written.append(out / "trace.json")
-  training.write_json(out / "report.json", dict(
-      report.to_dict(), demo={
-          "steps_run": len(losses), "losses": losses,
-          "interrupted": interrupted, "check": check, "devices": opts.devices,
-          "report_width": width,
-          "plain_scan_totals": reports["plain scan"].to_dict()["totals"]}))
-  written.append(out / "report.json")
-  if training.plot_losses(losses, out / "loss.png"):
-    written.append(out / "loss.png")
-  say("\n4. Written (open trace.json in ui.perfetto.dev):")
-  for path in written:
-    say(f"   {path}")
-  say(f"\nDone in {time.perf_counter() - t_start:.0f} s. What ran: the training "
-      f"on {opts.devices} CPU devices. What is modelled: every time in the "
-      "report and the timeline.")
+  training.write_outputs(out, report, {
+      "steps_run": len(losses), "losses": losses,
+      "interrupted": interrupted, "check": check, "devices": opts.devices,
+      "report_width": width,
+      "plain_scan_totals": reports["plain scan"].to_dict()["totals"]},
+      losses, say, t_start, opts.devices)
   return 0 if same else 1
 
 

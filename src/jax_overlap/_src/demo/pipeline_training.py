@@ -108,24 +108,13 @@ def run(opts: training.Options, schedule: str, microbatches: int = 8) -> int:
   say(f"   {len(ticks)} ticks send (each send's leaf names its tick and every "
       "stage's action); timeline.png draws a row a stage, its idle ticks the "
       "bubble.")
-  written = [out / "timeline.png", out / "trace.json", out / "report.json"]
-  report.save_timeline(written[0])
-  report.save_trace(written[1])
-  training.write_json(written[2], dict(report.to_dict(), demo={
+  training.write_outputs(out, report, {
       "pipeline": schedule, "stages": STAGES, "fsdp": FSDP,
       "microbatches": microbatches, "steps_run": len(losses), "losses": losses,
       "check": {"loss_pipelined": float(l1), "loss_sequential": float(l2),
                 "grad_max_rel_diff": diff},
       "bubble_fraction_unit_costs": sim.bubble_fraction,
-      "report_width": width}))
-  if training.plot_losses(losses, out / "loss.png"):
-    written.append(out / "loss.png")
-  say("\n4. Written (open trace.json in ui.perfetto.dev):")
-  for path in written:
-    say(f"   {path}")
-  say(f"\nDone in {time.perf_counter() - t_start:.0f} s. What ran: the training "
-      f"on {STAGES * FSDP} CPU devices. What is modelled: every time in the "
-      "report and the timeline.")
+      "report_width": width}, losses, say, t_start, STAGES * FSDP)
   return 0 if same else 1
 
 

@@ -277,3 +277,22 @@ def plot_losses(losses: list[float], path: pathlib.Path) -> bool:
 
 def write_json(path: pathlib.Path, data: dict) -> None:
   path.write_text(json.dumps(data, indent=2))
+
+
+def write_outputs(out: pathlib.Path, report, demo: dict, losses: list[float],
+                  say: Callable[[str], None], t_start: float, devices: int) -> None:
+  """Writes the report's timeline, trace and JSON (with `demo` beside the
+  report's own fields) and the loss plot into `out`, then says what was
+  written and what ran; both demos end so (tests/cli/demo_test.py)."""
+  written = [out / "timeline.png", out / "trace.json", out / "report.json"]
+  report.save_timeline(written[0])
+  report.save_trace(written[1])
+  write_json(written[2], dict(report.to_dict(), demo=demo))
+  if plot_losses(losses, out / "loss.png"):
+    written.append(out / "loss.png")
+  say("\n4. Written (open trace.json in ui.perfetto.dev):")
+  for path in written:
+    say(f"   {path}")
+  say(f"\nDone in {time.perf_counter() - t_start:.0f} s. What ran: the training "
+      f"on {devices} CPU devices. What is modelled: every time in the "
+      "report and the timeline.")
