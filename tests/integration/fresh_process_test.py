@@ -33,6 +33,7 @@ Auto axes). Entry points and where they apply:
   fsdp_scan on an Explicit mesh       -       x       -    needs Explicit mesh axes: with none
                                                            there is no mesh, on Auto axes it is
                                                            refused (a misuse error, tested there)
+  fsdp_plan                           x       x       x    the printed plan's gathers and kept layers
   all_gather_matmul,                  x       x       x    in shard_map, value and grads
   matmul_reduce_scatter
   expert_parallel                     x       x       x    in shard_map, value and grads
