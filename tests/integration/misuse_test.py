@@ -140,6 +140,34 @@ def _moe(fn=None, x=None, ids=None, w=None, params=None, params_spec=P("i"),
       X, jnp.ones((2, 4, 4)))
 
 
+def _pipeline(stage_fn=None, loss_fn=None, w=None, xs=None, ts=None, order=0,
+              **kwargs):
+  """pipeline_loss over MESH (2 stages of a 4x4 matmul), 4 microbatches of
+  shape (2, 4), traced (not run); order=2 takes a second derivative."""
+  stage = (lambda w, x: x @ w) if stage_fn is None else stage_fn
+  loss = (lambda y, t: jnp.mean((y - t) ** 2)) if loss_fn is None else loss_fn
+  w = jnp.stack([jnp.eye(4), 2 * jnp.eye(4)]) if w is None else w
+  xs = jnp.ones((4, 2, 4)) if xs is None else xs
+  ts = jnp.zeros((4, 2, 4)) if ts is None else ts
+  f = jax.shard_map(
+      lambda w, x, t: jo.pipeline_loss(stage, loss, w, x, t, axis="i", **kwargs),
+      mesh=MESH, in_specs=(P("i"), P(), P()), out_specs=P())
+  if order == 2:
+    g = jax.grad(lambda x: f(w, x, ts))
+    return jax.eval_shape(jax.grad(lambda x: g(x).sum()), xs)
+  return jax.eval_shape(f, w, xs, ts)
+
+
+def _attention(fn, q=(1, 8, 8, 8), k=(1, 8, 2, 8), v=None, **kwargs):
+  """ring_attention or ulysses_attention over MESH (sequence sharded over
+  'i'), traced; q, k, v given as global shapes (batch, seq, heads, head_dim)."""
+  kwargs.setdefault("axis", "i")
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (q, k, k if v is None else v)]
+  f = jax.shard_map(lambda q, k, v: fn(q, k, v, **kwargs), mesh=MESH,
+                    in_specs=P(None, "i"), out_specs=P(None, "i"))
+  return jax.eval_shape(f, *args)
+
+
 FUTURE_CARRY = r"a future cannot be a lax\.scan/fori_loop/while_loop carry"
 MISUSES = [
     # --- program_order ---------------------------------------------------------
@@ -423,6 +451,131 @@ MISUSES = [
      lambda: _moe(fn=lambda p, t: jnp.sum(t @ p)), ValueError,
      r"expert_parallel\(expert_fn=\.\.\.\) must return one row per token, "
      r"\[C, D'\], for tokens \[C, D\]"),
+    # --- pipeline_loss ---------------------------------------------------------------
+    ("pipeline-axis", "pipeline_loss outside shard_map (or over an unbound axis)",
+     lambda: jo.pipeline_loss(lambda w, x: x @ w, lambda y, t: jnp.mean(y - t),
+                              jnp.ones((2, 4, 4)), jnp.ones((4, 2, 4)),
+                              jnp.ones((4, 2, 4)), axis="i"), ValueError,
+     r"pipeline_loss\(axis='i'\): no mesh axis of that name is bound here; "
+     r"call pipeline_loss inside jax\.shard_map over that axis"),
+    ("pipeline-schedule", "schedule='pipedream' (not a schedule)",
+     lambda: _pipeline(schedule="pipedream"), ValueError,
+     r"schedule='pipedream': expected one of \('gpipe', '1f1b', 'interleaved', "
+     r"'zb-h1'\)"),
+    ("pipeline-stage-params", "stage_params without a leading axis of virtual_stages",
+     lambda: _pipeline(schedule="interleaved", virtual_stages=2), ValueError,
+     r"stage_params has shape \(1, 4, 4\) inside shard_map: its leading axis must "
+     r"be virtual_stages=2 .*pipeline_stage_layout"),
+    ("pipeline-xs", "xs with no microbatch axis (a scalar)",
+     lambda: _pipeline(xs=jnp.float32(1)), ValueError,
+     r"xs has shape \(\): expected m microbatches stacked on axis 0"),
+    ("pipeline-targets", "targets over another number of microbatches than xs",
+     lambda: _pipeline(ts=jnp.zeros((3, 2, 4))), ValueError,
+     r"targets has shape \(3, 2, 4\): expected the 4 microbatches of xs"),
+    ("pipeline-microbatches", "schedule='1f1b' with fewer microbatches than stages",
+     lambda: _pipeline(xs=jnp.ones((1, 2, 4)), ts=jnp.zeros((1, 2, 4))), ValueError,
+     r"schedule='1f1b' needs microbatches >= stages \(got microbatches=1, "
+     r"stages=2\)"),
+    ("pipeline-virtual-stages", "virtual_stages=2 with a one-chunk schedule",
+     lambda: _pipeline(w=jnp.ones((4, 4, 4)), virtual_stages=2), ValueError,
+     r"schedule='1f1b' runs one chunk a device: got virtual_stages=2; use "
+     r"schedule='interleaved'"),
+    ("pipeline-interleaved-one", "schedule='interleaved' with virtual_stages=1",
+     lambda: _pipeline(schedule="interleaved"), ValueError,
+     r"schedule='interleaved' needs virtual_stages >= 2 \(got 1\)"),
+    ("pipeline-interleaved-m", "schedule='interleaved' with microbatches not a multiple of stages",
+     lambda: _pipeline(w=jnp.ones((4, 4, 4)), xs=jnp.ones((3, 2, 4)),
+                       ts=jnp.zeros((3, 2, 4)), schedule="interleaved",
+                       virtual_stages=2), ValueError,
+     r"schedule='interleaved' needs microbatches to be a multiple of stages: "
+     r"got microbatches=3, stages=2"),
+    ("pipeline-send-ticks", "send_ticks=-1", lambda: _pipeline(send_ticks=-1),
+     ValueError, r"send_ticks=-1: expected an int >= 0"),
+    ("pipeline-stages", "pipeline_schedule with one stage",
+     lambda: jo.pipeline_schedule("gpipe", 1, 4), ValueError,
+     r"stages=1: a pipeline needs at least 2 stages"),
+    ("pipeline-stage-shape", "a stage_fn that changes the activation's shape",
+     lambda: _pipeline(stage_fn=lambda w, x: (x @ w)[:, :2]), ValueError,
+     r"stage_fn must return an array of its input activation's shape and dtype, "
+     r"float32\[2, 4\]; it returned float32\[2, 2\]"),
+    ("pipeline-stage-collective", "a collective over the pipeline axis inside stage_fn",
+     lambda: _pipeline(stage_fn=lambda w, x: lax.psum(x @ w, "i")), ValueError,
+     r"stage_fn holds a collective over the pipeline axis 'i' \(psum"),
+    ("pipeline-loss-scalar", "a loss_fn that returns an array, not a scalar",
+     lambda: _pipeline(loss_fn=lambda y, t: (y - t) ** 2), ValueError,
+     r"loss_fn must return a scalar \(the loss of one microbatch\)"),
+    ("pipeline-second-derivative", "grad of grad (or jax.hessian) of pipeline_loss",
+     lambda: _pipeline(order=2), NotImplementedError,
+     r"pipeline_loss has first derivatives only"),
+    ("pipeline-layout", "pipeline_stage_layout of 3 stages over stages=2",
+     lambda: jo.pipeline_stage_layout(jnp.ones((3, 4)), 2), ValueError,
+     r"pipeline_stage_layout: a leaf's leading axis is 3, not a multiple of "
+     r"stages=2"),
+    # --- ring_attention, ulysses_attention, to_layout -------------------------------------
+    ("attention-rank", "q of 3 dimensions (no heads axis)",
+     lambda: _attention(jo.ring_attention, q=(1, 8, 64)), ValueError,
+     r"ring_attention: q must be \(batch, seq_local, heads, head_dim\), got "
+     r"shape \(1, 4, 64\)"),
+    ("attention-kv-shapes", "k and v of different shapes",
+     lambda: _attention(jo.ring_attention, v=(1, 8, 1, 8)), ValueError,
+     r"ring_attention: k and v must have one shape"),
+    ("attention-seq-differs", "q's sequence length differs from k's (ulysses_attention too)",
+     lambda: _attention(jo.ring_attention, k=(1, 4, 2, 8)), ValueError,
+     r"ring_attention: q's sequence length \(4, shape \(1, 4, 8, 8\)\) differs "
+     r"from k's and v's \(2"),
+    ("attention-head-dim", "q and k with different head_dim (or batch)",
+     lambda: _attention(jo.ring_attention, k=(1, 8, 2, 4)), ValueError,
+     r"ring_attention: q \(shape \(1, 4, 8, 8\)\) and k, v \(shape \(1, 4, 2, 4\)\) "
+     r"must agree in batch and head_dim"),
+    ("attention-kv-heads", "kv_heads that do not divide heads",
+     lambda: _attention(jo.ring_attention, k=(1, 8, 3, 8)), ValueError,
+     r"ring_attention: kv_heads \(3\) must divide heads \(8\)"),
+    ("attention-segment-ids-shape", "segment_ids of another shape than (batch, seq_local)",
+     lambda: _attention(jo.ring_attention, segment_ids=jnp.zeros((1, 3), jnp.int32)),
+     ValueError, r"ring_attention: segment_ids must be \(batch, seq_local\) = "
+     r"\(1, 4\)"),
+    ("attention-segment-ids-dtype", "segment_ids of floats",
+     lambda: _attention(jo.ring_attention, segment_ids=jnp.zeros((1, 4))),
+     TypeError, r"ring_attention: segment_ids must be integers, got float32"),
+    ("attention-axis", "an axis that shard_map did not bind",
+     lambda: _attention(jo.ring_attention, axis="cp"), NameError,
+     r"ring_attention\(axis='cp'\): no mesh axis named 'cp' is bound here"),
+    ("attention-axes", "a tuple of axes",
+     lambda: _attention(jo.ring_attention, axis=("i",)), TypeError,
+     r"ring_attention\(axis=\('i',\)\): give one mesh axis name"),
+    ("attention-scale", "scale=[0.5] (not a number)",
+     lambda: _attention(jo.ring_attention, scale=[0.5]), TypeError,
+     r"ring_attention\(scale=\[0\.5\]\) must be a Python number"),
+    ("attention-causal", "causal=None (ulysses_attention likewise)",
+     lambda: _attention(jo.ring_attention, causal=None), TypeError,
+     r"ring_attention\(causal=None\) must be True or False"),
+    ("ring-unknown-layout", "layout='striped' (to_layout, from_layout likewise)",
+     lambda: _attention(jo.ring_attention, layout="striped"), ValueError,
+     r"ring_attention\(layout='striped'\): unknown layout; give one of "
+     r"'contiguous', 'zigzag'"),
+    ("ring-layout-mismatch", "layout='zigzag' on an odd local sequence (not laid out by to_layout)",
+     lambda: _attention(jo.ring_attention, q=(1, 6, 8, 8), k=(1, 6, 2, 8),
+                        layout="zigzag"), ValueError,
+     r"ring_attention\(layout='zigzag'\): each device holds 2 chunks of the "
+     r"sequence, but seq_local is 3"),
+    ("layout-not-divisible", "to_layout of a sequence that 2p chunks cannot split (from_layout likewise)",
+     lambda: jo.to_layout(jnp.zeros((1, 12)), "zigzag", 4), ValueError,
+     r"to_layout: the sequence \(axis 1 of shape \(1, 12\)\) has length 12, "
+     r"which layout 'zigzag' cannot split into 8 equal chunks"),
+    ("layout-axis-size", "to_layout(..., axis_size=0)",
+     lambda: jo.to_layout(jnp.zeros((1, 12)), "zigzag", 0), ValueError,
+     r"to_layout\(axis_size=0\) must be a positive int"),
+    ("ulysses-heads", "heads that are not a multiple of the axis size",
+     lambda: _attention(jo.ulysses_attention, q=(1, 8, 3, 8), k=(1, 8, 1, 8)),
+     ValueError, r"ulysses_attention: heads \(3, q shape \(1, 4, 3, 8\)\) must be "
+     r"a multiple of the 2 devices of axis 'i'"),
+    ("ulysses-causal-fn", "causal=True with an attention_fn",
+     lambda: _attention(jo.ulysses_attention, attention_fn=lambda q, k, v: q,
+                        causal=True), ValueError,
+     r"ulysses_attention: causal=True applies to the default kernel only"),
+    ("ulysses-attention-fn", "attention_fn=42 (not a function)",
+     lambda: _attention(jo.ulysses_attention, attention_fn=42), TypeError,
+     r"ulysses_attention\(attention_fn=42\) must be callable"),
     # --- overlap_report (inspect) ------------------------------------------------------
     ("inspect-not-callable", "overlap_report(3)",
      lambda: jo.overlap_report(3), TypeError,
