@@ -162,6 +162,15 @@ def _each_pair(table, step: int, before, run, state):
   return state
 
 
+def _free(fn, state):
+  """`fn(state)` as one free block (`program_order(enforce=False)`) of the
+  ordered ring: a step's blocks are one unit between the rotation's start
+  and done, so only the unit is fenced, not each of its operations (what
+  the compiler must keep is the window, tests/aot/attention_compiled_test.py;
+  fencing each operation cost thousands of barriers at p = 8)."""
+  return program_order(enforce=False)(fn)(state)
+
+
 def _send(x, cfg: Config):
   """Starts sending `x` to the next device, as a matrix (the TPU compiler
   may lay out a higher-rank received copy differently from the sent one and
@@ -211,7 +220,8 @@ def _forward(cfg: Config, q, k, v, segment_ids):
             q_seg=seg(q_seg, qf, pair.q_count),
             k_seg=seg(k_segs[step], kf, pair.k_count))
         return kernel.Stats(*(_put(x, y, qf, chunk) for x, y in zip(stats, part)))
-      stats = _each_pair(table, step, before[step], block, stats)
+      stats = _free(lambda stats, step=step: _each_pair(
+          table, step, before[step], block, stats), stats)
       if sending:
         held = future.done().reshape(kv.shape)
     return kernel.finish(stats)
@@ -294,13 +304,13 @@ def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
           future = _send(held, cfg)
       if step == 0:
         # Part of the own block now, the rest behind the last hop home.
-        dq, own = parts((dq, own), early, held, 0)
+        dq, own = _free(lambda state: parts(state, early, held, 0), (dq, own))
       else:
         dkv = kernel.zeros_like_varying(kv.shape, q)
-        dq, dkv = _each_pair(
+        dq, dkv = _free(lambda state, held=held, step=step: _each_pair(
             table, step, before[step],
-            lambda s, *a, held=held, step=step: block(s, *a, held=held,
-                                                       step=step), (dq, dkv))
+            lambda s, *a: block(s, *a, held=held, step=step), state),
+            (dq, dkv))
         # The gradient of the held block: this device's part, added to
         # what the devices before it sent (step >= 2), sent on towards its
         # owner.
@@ -310,7 +320,7 @@ def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
           grads = _send(dkv, cfg)
       if sending:
         held = future.done().reshape(kv.shape)
-    dq, own = parts((dq, own), late, kv, 0)
+    dq, own = _free(lambda state: parts(state, late, kv, 0), (dq, own))
     if grads is not None:
       own = own + grads.done().reshape(kv.shape)
     return dq, own
