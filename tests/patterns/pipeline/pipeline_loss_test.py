@@ -31,6 +31,13 @@ def _check(loss, ref, params, xs, ts):
   np.testing.assert_allclose(jax.jit(loss)(params, xs, ts), want[0], **TOL)
 
 
+# On older jax: each schedule once, both stage counts covered (the grid's
+# other cells differ only in sizes the schedule code does not branch on by jax
+# version).
+@pytest.mark.newest_jax(older_jax=[
+    "test_values_and_gradients[gpipe-2-4-1]", "test_values_and_gradients[1f1b-4-4-1]",
+    "test_values_and_gradients[zb-h1-2-6-1]",
+    "test_values_and_gradients[interleaved-2-4-2]"])
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,v", list(_grid()))
 def test_values_and_gradients(schedule, p, m, v):

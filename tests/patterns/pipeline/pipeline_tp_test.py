@@ -57,6 +57,9 @@ def _pipelined(p, tp, schedule):
   return loss
 
 
+# On older jax: the two-stage zero-bubble case (the four-stage one is the
+# same program at twice the stages).
+@pytest.mark.newest_jax(older_jax=["test_pp_by_tp[2-2-4-zb-h1]"])
 @pytest.mark.parametrize("p,tp,m,schedule", [
     pytest.param(2, 2, 4, "1f1b", marks=pytest.mark.slow), (2, 2, 4, "zb-h1"),
     (4, 2, 4, "1f1b")])
