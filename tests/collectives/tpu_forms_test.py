@@ -10,6 +10,8 @@ every order of the sum gives the same value), gradients, inside and outside
 gets while one form is in flight (`Form.sync`). One compile each (tiny shapes).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,3 +177,34 @@ def test_no_form_off_tpu(mesh8):
   closed = jax.make_jaxpr(_program(mesh8, lambda v: start(v).done(), True))(
       _x(shape))
   assert _forms_taken(closed) == [False]
+
+
+def test_ring_psum_with_work_in_its_window(mesh8, forced):
+  # Work written between psum_start and done(): the ordered block lowers the
+  # all-gather half after the first matmul (ring_psum.advance_second_halves);
+  # values and gradients are jax.lax's, and the block's lowered text has the
+  # all-gather between the two matmuls.
+  w = _x((5, 5))
+
+  def ours(v):
+    def body(v):
+      fut = jo.psum_start(v, AXIS)
+      a = jnp.sin(v @ w)
+      a = jnp.cos(a @ w)
+      return fut.done() + a
+    return jo.program_order(enforce=True)(body)(v)[None]
+
+  def ref(v):
+    return (jax.lax.psum(v, AXIS) + jnp.cos(jnp.sin(v @ w) @ w))[None]
+  smap = lambda f: jax.shard_map(f, mesh=mesh8, in_specs=P(AXIS), out_specs=P(AXIS))
+  x = _x((N * 2, 5))
+  np.testing.assert_allclose(jax.jit(smap(ours))(x), jax.jit(smap(ref))(x),
+                             rtol=1e-6)
+  loss = lambda f: lambda v: jnp.sum(smap(f)(v) ** 2)
+  np.testing.assert_allclose(jax.jit(jax.grad(loss(ours)))(x),
+                             jax.jit(jax.grad(loss(ref)))(x), rtol=1e-5)
+  text = jax.jit(smap(ours)).lower(x).as_text()
+  order = [m.group(0) for m in re.finditer(r"all_to_all|all_gather|dot_general",
+                                           text)]
+  first_gather = order.index("all_gather")
+  assert order[:first_gather].count("dot_general") == 1, order

@@ -28,7 +28,7 @@ traceback_util.register_exclusion(__file__)
 
 
 def _start_future(name: str, fn, x, params=None, *, aux=(),
-                  cpu_fn=None, sync_note=None) -> Future:
+                  cpu_fn=None, sync_note=None, second_half=False) -> Future:
   """The future of `fn(x, *aux)`; `cpu_fn` computes the same where XLA:CPU
   cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`."""
   where = user_frame()
@@ -52,7 +52,7 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
     if composed is not None:
       return composed
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note)
+  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note, second_half)
   in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm, tuple(aux)))
@@ -158,7 +158,7 @@ def _gather_part(chunk, axis):
   """The all-gather half: the plain future (no form chosen for it), typed
   invariant over `axis` as `psum`'s result is."""
   return _start_future("all_gather", lambda v: _ring_psum.gather_invariant(v, axis),
-                       chunk)
+                       chunk, second_half=True)
 
 
 def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,
