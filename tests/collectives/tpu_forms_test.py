@@ -10,6 +10,8 @@ every order of the sum gives the same value), gradients, inside and outside
 gets while one form is in flight (`Form.sync`). One compile each (tiny shapes).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,12 @@ CASES = {
              (N * 2, 5)),
     "psum_1d": (lambda v: jo.psum_start(v, AXIS), lambda v: jax.lax.psum(v, AXIS),
                 (N * 3,)),
+    "psum_two": (lambda v: jo.psum_start(v, AXIS), lambda v: jax.lax.psum(v, AXIS),
+                 (N * 2,)),
+    "psum_padded": (lambda v: jo.psum_start(v, AXIS),
+                    lambda v: jax.lax.psum(v, AXIS), (N * 3, 5)),
+    "psum_3d": (lambda v: jo.psum_start(v, AXIS), lambda v: jax.lax.psum(v, AXIS),
+                (N, 8, 2)),
     "all_gather_tiled": (
         lambda v: jo.all_gather_start(v, AXIS, axis=1, tiled=True),
         lambda v: jax.lax.all_gather(v, AXIS, axis=1, tiled=True), (N * 2, 3)),
@@ -62,6 +70,13 @@ CASES = {
         lambda v: jax.lax.all_to_all(v, AXIS, 0, 2, tiled=False), (N * N, 2, 3)),
 }
 
+
+#: Cases whose future is psum_start's ring form (collectives/ring_psum.py):
+#: a reduce-scatter future (its TPU form) and, at done(), an all-gather
+#: future (none), the shard padded to a multiple of N (15 -> 16 in
+#: psum_padded, 3 -> 8 in psum_1d). A shard the padded ring would not send in
+#: fewer bytes keeps the form of N copies (psum_two: 2 elements).
+RING_PSUM = {"psum", "psum_1d", "psum_padded", "psum_3d"}
 
 #: jax's own gradient of these fails ("Expected cotangent type
 #: float32[8,2,3,1] but got float32[8,1,2,3]", untiled all_to_all with the
@@ -90,7 +105,8 @@ def test_tpu_form_gives_jax_lax_values_and_gradients(mesh8, forced, case):
   x = _x(shape)
   ours = _program(mesh8, lambda v: start(v).done(), enforce=True)
   ref = _program(mesh8, reference, enforce=False)
-  assert _forms_taken(jax.make_jaxpr(ours)(x)) == [True]
+  assert _forms_taken(jax.make_jaxpr(ours)(x)) == (
+      [True, False] if case in RING_PSUM else [True])
   np.testing.assert_array_equal(jax.jit(ours)(x), jax.jit(ref)(x))
   if case in NO_GRAD:
     return
@@ -161,3 +177,34 @@ def test_no_form_off_tpu(mesh8):
   closed = jax.make_jaxpr(_program(mesh8, lambda v: start(v).done(), True))(
       _x(shape))
   assert _forms_taken(closed) == [False]
+
+
+def test_ring_psum_with_work_in_its_window(mesh8, forced):
+  # Work written between psum_start and done(): the ordered block lowers the
+  # all-gather half after the first matmul (ring_psum.advance_second_halves);
+  # values and gradients are jax.lax's, and the block's lowered text has the
+  # all-gather between the two matmuls.
+  w = _x((5, 5))
+
+  def ours(v):
+    def body(v):
+      fut = jo.psum_start(v, AXIS)
+      a = jnp.sin(v @ w)
+      a = jnp.cos(a @ w)
+      return fut.done() + a
+    return jo.program_order(enforce=True)(body)(v)[None]
+
+  def ref(v):
+    return (jax.lax.psum(v, AXIS) + jnp.cos(jnp.sin(v @ w) @ w))[None]
+  smap = lambda f: jax.shard_map(f, mesh=mesh8, in_specs=P(AXIS), out_specs=P(AXIS))
+  x = _x((N * 2, 5))
+  np.testing.assert_allclose(jax.jit(smap(ours))(x), jax.jit(smap(ref))(x),
+                             rtol=1e-6)
+  loss = lambda f: lambda v: jnp.sum(smap(f)(v) ** 2)
+  np.testing.assert_allclose(jax.jit(jax.grad(loss(ours)))(x),
+                             jax.jit(jax.grad(loss(ref)))(x), rtol=1e-5)
+  text = jax.jit(smap(ours)).lower(x).as_text()
+  order = [m.group(0) for m in re.finditer(r"all_to_all|all_gather|dot_general",
+                                           text)]
+  first_gather = order.index("all_gather")
+  assert order[:first_gather].count("dot_general") == 1, order

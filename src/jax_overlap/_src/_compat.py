@@ -661,3 +661,15 @@ def _probe_unrolled():
   except Exception as error:  # noqa: BLE001 - re-raised by the caller
     return error
   return True
+
+
+# --- an all-gather whose result is invariant over the axis ----------------------------
+
+def all_gather_invariant(x, axis_name):
+  """`jax.lax.all_gather(x, axis_name, tiled=True)` typed invariant over
+  `axis_name` (as `psum`'s result is): jax's `all_gather_invariant`, public in
+  its parallel module on 0.10.2 and 0.11.0, private on 0.12.0.1."""
+  from jax._src.lax import parallel as _parallel
+  fn = getattr(_parallel, "all_gather_invariant", None) or \
+      getattr(_parallel, "_all_gather_invariant")
+  return fn(x, axis_name, axis=0, tiled=True)

@@ -42,7 +42,8 @@ def _kinds(*names):
 TABLE = (
     Quirk("tpu-collective-forms", "tpu", None, "libtpu", ("0.0.42.1", "0.0.52"),
           "psum_scatter_start, psum_start and all_to_all_start start an "
-          "all-to-all (their TPU form): an async reduce-scatter crashes the "
+          "all-to-all (their TPU form; psum_start's is a reduce-scatter by "
+          "all-to-all, then an async all-gather of the summed chunk): an async reduce-scatter crashes the "
           "compiler (AsyncCollectiveReplacer) and an async all-reduce is not "
           "implemented",
           "tests/aot/real_compilers_test.py::test_the_async_pair_still_crashes_libtpu"),

@@ -15,6 +15,7 @@ from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - r
 from jax_overlap._src.collectives import major_dim as _major_dim
 from jax_overlap._src.collectives import permute_forms as _permute_forms
 from jax_overlap._src.collectives import ragged as _ragged
+from jax_overlap._src.collectives import ring_psum as _ring_psum
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
 from jax_overlap._src.collectives.comm import Comm, trace_sync
 from jax_overlap._src.ordering import compile_options as _compile_options  # noqa: F401 - installs its hook
@@ -27,7 +28,7 @@ traceback_util.register_exclusion(__file__)
 
 
 def _start_future(name: str, fn, x, params=None, *, aux=(),
-                  cpu_fn=None, sync_note=None) -> Future:
+                  cpu_fn=None, sync_note=None, second_half=False) -> Future:
   """The future of `fn(x, *aux)`; `cpu_fn` computes the same where XLA:CPU
   cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`."""
   where = user_frame()
@@ -51,7 +52,7 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
     if composed is not None:
       return composed
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note)
+  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note, second_half)
   in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm, tuple(aux)))
@@ -140,8 +141,24 @@ def psum_start(x, axis_name) -> Future:
     Array([2., 4.], dtype=float32)
   """
   check_axis_name("psum", axis_name)
+  composed = _ring_psum.compose(x, axis_name, user_frame(), _scatter_part,
+                                _gather_part)
+  if composed is not None:
+    return composed
   fn = lambda v: jax.lax.psum(v, axis_name)
   return _start_future("psum", fn, x, dict(axis_name=axis_name))
+
+
+def _scatter_part(flat, axis):
+  """The reduce-scatter half of `psum_start`'s ring form (ring_psum.py)."""
+  return psum_scatter_start(flat, axis, tiled=True)
+
+
+def _gather_part(chunk, axis):
+  """The all-gather half: the plain future (no form chosen for it), typed
+  invariant over `axis` as `psum`'s result is."""
+  return _start_future("all_gather", lambda v: _ring_psum.gather_invariant(v, axis),
+                       chunk, second_half=True)
 
 
 def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,

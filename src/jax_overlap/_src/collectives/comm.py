@@ -34,6 +34,10 @@ class Comm:
     cpu_jaxpr: the same collective (same inputs and values) by ops XLA:CPU
       runs, where XLA:CPU cannot run `jaxpr`'s (ragged all-to-all); None
       where `jaxpr` runs everywhere.
+    second_half: the start of a collective's second half, whose operand
+      is the first half's result (`ring_psum.py`'s all-gather): an ordered
+      block lowers it, with the first half's done, inside the first half's
+      window (`ring_psum.advance_second_halves`).
     sync_note: for a ragged all-to-all (synchronous on GPU and TPU), what to
       say instead of the generic `CollectiveNotAsyncWarning`: a message with
       `{platform}` in it, said once per platform; None for the generic one.
@@ -44,10 +48,12 @@ class Comm:
   """
 
   __slots__ = ("name", "jaxpr", "state", "tpu_form", "cpu_jaxpr",
-               "sync_note")
+               "sync_note", "second_half")
 
   def __init__(self, name: str, jaxpr, state: FutureState, tpu_form=None,
-               cpu_jaxpr=None, sync_note: str | None = None):
+               cpu_jaxpr=None, sync_note: str | None = None,
+               second_half: bool = False):
+    self.second_half = second_half
     self.name = name
     self.jaxpr = jaxpr
     self.state = state

@@ -30,6 +30,7 @@ from jax._src import core
 from jax._src.pjit import jit_p
 
 from jax_overlap._src import _compat
+from jax_overlap._src.collectives import ring_psum
 from jax_overlap._src.ordering.primitive import is_free_block
 
 
@@ -58,7 +59,9 @@ _SYNC_COLLECTIVES = frozenset({
 def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
                  strict_out: bool) -> list[Any]:
   """Evaluates `closed` on `args` with the barriers that fix its order."""
-  jaxpr = _compat.open_jaxpr(closed)
+  # psum_start's ring form on TPU: its all-gather half moves up into the
+  # reduce-scatter half's window (collectives/ring_psum.py).
+  jaxpr = ring_psum.advance_second_halves(_compat.open_jaxpr(closed))
   env: dict[core.Var, Any] = {}
 
   def read(atom):

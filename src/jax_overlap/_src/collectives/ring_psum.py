@@ -1,0 +1,197 @@
+"""`psum_start` on TPU: a reduce-scatter future, then an all-gather of its chunk.
+
+libtpu has no async all-reduce (quirks.py, "tpu-collective-forms"). The
+all-to-all of N copies (tpu_forms.py's `psum` form) is async there but sends
+N - 1 copies of the buffer from each device, N/2 times the bytes of a ring
+all-reduce. So on TPU `psum_start(x)` over an axis of N devices is:
+
+* at the start, `psum_scatter_start` of `x` flattened (zeros padded to a
+  multiple of N): its own TPU form (an all-to-all of chunks on v5e, N - 1
+  permutes on v5p), (N - 1)/N of the buffer from each device, in flight;
+* after it, that future finished and its chunk gathered back by an
+  all-gather whose result is invariant over the axis (`psum`'s type),
+  (N - 1)/N of the buffer again; at `done()` the padding is cut off.
+
+2 (N - 1)/N of the buffer in all, a ring's bytes (tests/aot/
+tpu_forms_compiled_test.py::test_psum_start_moves_a_ring_all_reduces_bytes).
+The all-gather can start only once the sum is known. Traced, it is started by
+`done()`; an ordered block lowers it earlier, inside the reduce-scatter's
+window after half of the matmuls written there (`advance_second_halves`), so
+each half is in flight across part of the window. With no matmul written
+there it starts after half of the window's equations.
+
+On a TPU generation that compiles every all-gather synchronous (v5p, quirk
+"tpu-sync-all-gather") the copies form stays: there the all-gather half
+would be a synchronous collective the user is told about, and the copies
+form keeps the whole sum in flight. So do buffers where the padded ring
+would send no fewer bytes than the copies, 2 ceil(S / N) >= S elements of S:
+a scalar, two elements, any buffer over two devices (one collective, not
+two; tests/aot/fsdp_settings_compiled_test.py's HSDP replicas).
+
+Values: each chunk is summed on one device, so every device gets the same
+value; it matches `jax.lax.psum` up to the order of the sum
+(tests/collectives/tpu_forms_test.py checks values and gradients on CPU with
+`tpu_forms.FORCE`, the all-gather moved up or not).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src import source_info_util
+from jax._src import traceback_util
+
+from jax_overlap._src import _compat, quirks
+from jax_overlap._src.collectives import tpu_forms
+from jax_overlap._src.collectives.comm import one_bound_axis
+from jax_overlap._src.collectives.composed import ComposedFuture
+from jax_overlap._src.collectives.future import Future
+
+source_info_util.register_exclusion(__file__)
+traceback_util.register_exclusion(__file__)
+
+
+def _mesh_axes() -> tuple:
+  try:
+    return tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh: none
+    return ()
+
+
+def compose(x, axis_name, where: str, scatter_start: Callable,
+            gather_start: Callable) -> Future | None:
+  """The future of `jax.lax.psum(x, axis_name)` as a reduce-scatter then an
+  all-gather (`scatter_start(flat, axis)` and `gather_start(chunk, axis)`
+  start each), or None where `psum_start` keeps its own form: off TPU, on
+  v5p, a vmap axis, several or positional axes, a non-numeric dtype, or a
+  buffer the ring would not send in fewer bytes."""
+  if not tpu_forms.wanted("psum") or _gather_is_sync():
+    return None
+  bound = one_bound_axis(axis_name)
+  if bound is None:
+    return None
+  axis, n = bound
+  if not tpu_forms.FORCE and axis not in _mesh_axes():
+    return None   # a vmap axis: the plain future
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.number) or \
+      2 * -(-x.size // n) >= x.size:
+    return None   # the ring (padded) would send no fewer bytes than the copies
+  out_aval = jax.eval_shape(lambda v: jax.lax.psum(v, axis), x)
+  flat = x.reshape(-1)
+  padded = -(-flat.size // n) * n
+  if padded != flat.size:
+    flat = jnp.pad(flat, (0, padded - flat.size))
+  part = scatter_start(flat, axis)
+  combine = functools.partial(_gathered, axis, x.shape, gather_start)
+  return ComposedFuture("psum", where, (), [part], combine, out_aval)
+
+
+def _gathered(axis, shape, gather_start, kept, parts):
+  del kept
+  (chunk,) = parts
+  whole = gather_start(chunk, axis).done()
+  return whole[:math.prod(shape)].reshape(shape)
+
+
+def gather_invariant(chunk, axis):
+  """`jax.lax.all_gather(chunk, axis, tiled=True)`, typed as `psum`'s result."""
+  return _compat.all_gather_invariant(chunk, axis)
+
+
+def _gather_is_sync() -> bool:
+  if tpu_forms.FORCE:
+    return False
+  platform, kind = _compat.trace_device()
+  return quirks.applies("tpu-sync-all-gather", platform, kind)
+
+
+# --- the all-gather inside the window ----------------------------------------------
+
+_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+
+def _has_matmul(eqn) -> bool:
+  if eqn.primitive.name in _MATMULS:
+    return True
+  return any(_has_matmul(e) for sub in core.jaxprs_in_params(eqn.params)
+             for e in sub.eqns)
+
+
+def _second_half_chain(eqns, g, producer):
+  """(index of the first half's start, indices of the equations from its
+  done to the second half's start at `g`), or None where the start's
+  operand does not come from one future's done by local equations."""
+  chain, stack, first = {g}, [g], None
+  while stack:
+    for v in eqns[stack.pop()].invars:
+      p = producer.get(v) if isinstance(v, core.Var) else None
+      if p is None or p in chain:
+        continue
+      eqn = eqns[p]
+      if eqn.primitive.name == "collective_done":
+        start = producer.get(eqn.invars[0])
+        if start is None or eqns[start].primitive.name != "collective_start":
+          return None
+        if first is not None and first != start:
+          return None
+        first = start
+        chain.add(p)
+        continue
+      if eqn.effects:
+        return None
+      chain.add(p)
+      stack.append(p)
+  return None if first is None else (first, sorted(chain))
+
+
+def _midpoint(eqns, first: int, until: int) -> int:
+  """Where in the window (first, until) the second half starts: after half
+  of its matmuls (rounded up), or after half of its equations."""
+  window = range(first + 1, until)
+  heavy = [k for k in window if _has_matmul(eqns[k])]
+  if heavy:
+    return heavy[(len(heavy) + 1) // 2 - 1] + 1
+  return first + 1 + len(window) // 2
+
+
+def advance_second_halves(jaxpr):
+  """`jaxpr` with each second half's start (`Comm.second_half`), and the
+  equations from the first half's done that make its operand, moved up into
+  the first half's window: after half of the matmuls written there. So in an
+  ordered block both halves of psum_start's ring form are in flight
+  (tests/aot/tpu_forms_compiled_test.py::
+  test_psum_start_ring_halves_each_hide_behind_a_matmul). Equations are only
+  moved up, and only ones every input of which is ready there; a jaxpr with
+  no such start is returned as it is."""
+  eqns = list(jaxpr.eqns)
+  starts = [k for k, e in enumerate(eqns)
+            if e.primitive.name == "collective_start"
+            and getattr(e.params.get("comm"), "second_half", False)]
+  if not starts:
+    return jaxpr
+  for g in starts:
+    g = next(k for k, e in enumerate(eqns) if e is jaxpr.eqns[g])
+    producer = {v: k for k, e in enumerate(eqns) for v in e.outvars
+                if not isinstance(v, core.DropVar)}
+    found = _second_half_chain(eqns, g, producer)
+    if found is None:
+      continue
+    first, chain = found
+    m = _midpoint(eqns, first, chain[0])
+    if m >= chain[0]:
+      continue
+    ready = all(producer.get(v, -1) < m or producer.get(v) in chain
+                for k in chain for v in eqns[k].invars
+                if isinstance(v, core.Var))
+    if not ready:
+      continue
+    moved = [eqns[k] for k in chain]
+    kept = [e for k, e in enumerate(eqns[m:], m) if k not in set(chain)]
+    eqns = eqns[:m] + moved + kept
+  return jaxpr.replace(eqns=eqns)
