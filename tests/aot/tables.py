@@ -87,7 +87,7 @@ def _said(warned) -> str:
 
 def _hlo_kind(rt, name, kind):
   """What the future compiles to on `name`: its TPU form is an all-to-all."""
-  if name.startswith("tpu") and not rt.OLDER:
+  if name.startswith("tpu"):
     forms = rt._V5P_FORM_KIND if name == "tpu_v5p" else rt._TPU_FORM_KIND
     return forms.get(kind, rt._HLO_KIND[kind])
   return rt._HLO_KIND[kind]
