@@ -11,10 +11,12 @@ name).
 Older jax (`make test-aot-jax0.11.0`, `make test-aot-jax0.10.2`) runs
 OLDER_JAX_SUBSET on OLDER_JAX_TARGETS (its `newest_jax` marker; the rest skip):
 the written order, the five futures and fsdp_scan in both contexts, on TPU
-v5e and GPU H100. There a future's halves are lowered back to back (said
-with an OrderNotKeptWarning), and today every program holding a future fails
-to compile for TPU/GPU (OLDER_JAX_PLUGIN_GAP): those tests xfail on that
-exact error, and check the back-to-back form once it compiles.
+v5e and GPU H100. There a future's start is the plain collective (or on TPU
+its form's all-to-all), left out of program_order's barriers until its done,
+and XLA makes it async itself (quirks "gpu-plain-future" / "tpu-plain-future");
+the tests assert the same windows as on jax 0.12, and OLDER_IN_FLIGHT and
+EMPTY_WINDOW_OLDER state, measured, where fewer are in flight. A module that
+the plugin refuses with OLDER_JAX_PLUGIN_GAP's error xfails.
 
 Each expectation that states today's shortfall (SYNC_ON, NOT_WARNED_YET,
 SHORT_TODAY, PERMUTES_SHORT) is a table entry: when the library or a
@@ -43,10 +45,11 @@ from jax_overlap._src.collectives import not_async
 
 from jax_overlap._src.ordering import compiled_order
 
-#: jax < 0.12: a future's halves are lowered back to back on TPU/GPU.
+#: jax < 0.12: a future is its plain collective on TPU/GPU.
 OLDER = not _compat.ASYNC_CUSTOM_CALLS
 needs_pairs = pytest.mark.skipif(
-    OLDER, reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU")
+    OLDER, reason="jax < 0.12: a future is its plain collective, which XLA "
+    "makes async itself; the older lanes run OLDER_JAX_SUBSET")
 
 #: What `make test-aot-jaxX` (jax < 0.12) runs: these tests, on these targets
 #: (the `newest_jax` marker's older-jax subset; tests/aot/conftest.py).
@@ -62,12 +65,11 @@ pytestmark = pytest.mark.newest_jax(older_jax=[
     f"{test}[*{target}]" for test in OLDER_JAX_SUBSET for target in OLDER_JAX_TARGETS])
 
 #: jax 0.10.2 / 0.11.0 with their plugins (libtpu 0.0.42.1 / 0.0.44.1,
-#: jax-cuda12-plugin of the same version): a future is lowered to a StableHLO
-#: async_start/async_done region (collectives/lowering.py
-#: `_to_async_region_pair`), which the PJRT plugins' StableHLO (1.13.7 / 1.14.0)
-#: cannot take: "Failed to serialize StableHLO to plugin version ...: failed to
-#: legalize operation 'vhlo.async_start_v1'". Every future, fsdp_scan in
-#: shard_map and collective matmul then fail to compile for TPU and GPU.
+#: jax-cuda12-plugin of the same version): the StableHLO async_start/async_done
+#: region (collectives/lowering.py `_to_async_region_pair`, CPU only now) is
+#: refused by the PJRT plugins' StableHLO (1.13.7 / 1.14.0): "Failed to
+#: serialize StableHLO to plugin version ...: failed to legalize operation
+#: 'vhlo.async_start_v1'". Should a module still hold one, its test xfails.
 OLDER_JAX_PLUGIN_GAP = (
     f"jax {jax.__version__}: a future's async region cannot be serialized for "
     "the TPU/GPU plugin ('vhlo.async_start_v1' is illegal there); open (issue 16)")
@@ -353,17 +355,17 @@ _HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
 def test_future_is_an_async_pair_around_the_matmul(name, kind):
   text, warned = _compile(name, "future", kind)
   hlo_kind = _HLO_KIND[kind]
-  if name.startswith("tpu") and not OLDER:
+  if name.startswith("tpu"):
     forms = _V5P_FORM_KIND if name == "tpu_v5p" else _TPU_FORM_KIND
     hlo_kind = forms.get(kind, hlo_kind)
   pairs = _async(text, hlo_kind)
-  if OLDER:
-    # Back to back: nothing between start and done, and the user is told.
-    assert not any(w.matmuls for w in pairs), pairs
-    assert any("lowered back to back" in m for m in warned), warned
-    return
+  # (jax < 0.12: the start is the plain collective, or on TPU its form's
+  # all-to-all, left out of the barriers until the done, and XLA makes it
+  # async by itself: quirks "gpu-plain-future" / "tpu-plain-future".)
   if (name, kind) in SYNC_ON:
-    assert not pairs, pairs
+    # (jax < 0.12 on H100: XLA makes the ragged all-to-all async itself,
+    # with nothing in its window.)
+    assert not (OLDER and any(w.matmuls for w in pairs) or pairs and not OLDER), pairs
     if not warned and (name, kind) in NOT_WARNED_YET:
       pytest.xfail(NOT_WARNED_YET[name, kind])
     platform = "tpu" if name.startswith("tpu") else "cuda"
@@ -377,8 +379,19 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
     assert not warned, warned
     return
   assert len(pairs) == 1, schedule.windows(text)
+  if (jax.__version__, name, kind) in EMPTY_WINDOW_OLDER and not pairs[0].matmuls:
+    pytest.xfail(EMPTY_WINDOW_OLDER[jax.__version__, name, kind])
   assert pairs[0].matmuls >= 1, pairs[0]
   assert not warned, warned
+
+
+#: (jax, target, future) -> why its pair has nothing in its window there
+#: (measured; not looked into yet).
+EMPTY_WINDOW_OLDER = {
+    ("0.11.0", "gpu_h100", "psum"): (
+        "jax 0.11.0's H100 compiler makes psum_start's plain all-reduce "
+        "async with nothing in its window (0.10.2: the matmul inside)"),
+}
 
 
 def _gathers(text, name):
@@ -549,7 +562,31 @@ if OLDER:
       "gather synchronous at these sizes; open (issue 16)")
 
 
+#: jax < 0.12 (quirks "gpu-plain-future" / "tpu-plain-future"): (test,
+#: target) -> (what is in flight there, measured, why not all). The test
+#: asserts at least that many; it fails when the count falls, and says so
+#: when it reaches what jax 0.12 gives (drop the entry then).
+OLDER_IN_FLIGHT: dict = {}
+if OLDER:
+  _V5E = ("libtpu turns these 32-float flat gathers into all-reduces of "
+          "dynamic-update-slices and combines them into one synchronous "
+          "all-reduce (at width 128: forward 4 gathers, all in flight; "
+          "value_and_grad 7 gathers and 5 of 8 reduce-scatters, libtpu "
+          "0.0.42.1)")
+  OLDER_IN_FLIGHT.update({
+      ("forward", "tpu_v5e"): (0, _V5E),
+      ("backward", "tpu_v5e"): (0, _V5E),
+  })
+
+
 def _short(test, name, got, wanted):
+  if OLDER and (test, name) in OLDER_IN_FLIGHT:
+    floor, why = OLDER_IN_FLIGHT[test, name]
+    assert got >= floor, (test, name, got, floor)
+    assert got < wanted, (f"jax {jax.__version__}: {got} of {wanted} in flight "
+                          f"now; drop OLDER_IN_FLIGHT[{test!r}, {name!r}]")
+    pytest.xfail(f"jax {jax.__version__}: {got} of {wanted} in flight "
+                 f"(at least {floor}): {why}")
   if got < wanted and (test, name) in SHORT_TODAY:
     pytest.xfail(f"{SHORT_TODAY[test, name]} (measured {got} of {wanted})")
 
@@ -558,15 +595,6 @@ def _short(test, name, got, wanted):
                                   "gpu_h100_2x8"])
 def test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one(name):
   text, warned = _compile(name, "fsdp", False)
-  if OLDER:
-    # jax < 0.12 lowers each future's pair back to back: none of the
-    # loop's gathers is ours in flight. XLA may still make one of layer 0's
-    # (free blocks since the split by use order) async across a matmul by
-    # itself (H100: one), which is XLA's overlap, not the library's.
-    gathers = _async(text, "all-gather")
-    assert sum(bool(w.matmuls) for w in gathers) <= WEIGHTS, gathers
-    assert warned, "jax < 0.12: the synchronous gathers are not said"
-    return
   # (v5p: each gather is N-1 permutes, collectives/permute_forms.py.)
   gathers = _gathers(text, name)
   # Every layer's gathers but the first layer's are in flight across matmuls.
@@ -599,10 +627,6 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
   text, warned = _compile(name, "fsdp", True)
   gathers = _gathers(text, name)
   scatters = _scatters(text, name)
-  if OLDER:
-    assert not any(w.matmuls for w in scatters), scatters
-    assert warned, "jax < 0.12: the synchronous collectives are not said"
-    return
   is_tpu = name == "tpu_v5e"
   if is_tpu:
     # A plain async reduce-scatter crashes libtpu: on v5e the TPU form (an
@@ -610,17 +634,14 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
     # and a scatter a weight (bucket=False) some are finished where they
     # start, and that is said ...
     assert not scatters
-    assert any("psum_scatter_start" in m and "tpu" in m for m in warned), warned
+    # (jax < 0.12: each form's all-to-all is left to libtpu, nothing said.)
+    assert OLDER or any("psum_scatter_start" in m and "tpu" in m for m in warned), warned
     # ... and only as the future it is, not also as a fenced plain collective.
     assert not any("inside an ordered block" in m for m in warned), warned
   # Forward and backward: all but the first layer's gathers of each pass
   # (measured with libtpu 0.0.52: one fewer, 11 of the 12 expected; on v5e
   # 11 of its 16 gathers are async at all; on v5p, where each is N-1
   # permutes, layer 0's two regathers have no matmul in flight).
-  wanted = 2 * (LAYERS - 1) * WEIGHTS - (1 if name.startswith("tpu") else 0)
-  got = sum(w.matmuls >= 1 for w in gathers)
-  _short("backward", name, got, wanted)
-  assert got >= wanted, gathers
   if not is_tpu:
     # (v5p: psum_scatter_start is N-1 permutes, async, and nothing is said;
     # each step's but the last in flight since the modules holding them get
@@ -630,6 +651,10 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
     got = sum(w.matmuls >= 1 for w in scatters)
     _short("backward scatters", name, got, (LAYERS - 1) * WEIGHTS)
     assert got >= (LAYERS - 1) * WEIGHTS, scatters
+  wanted = 2 * (LAYERS - 1) * WEIGHTS - (1 if name.startswith("tpu") else 0)
+  got = sum(w.matmuls >= 1 for w in gathers)
+  _short("backward", name, got, wanted)
+  assert got >= wanted, gathers
 
 
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])

@@ -87,7 +87,7 @@ def _said(warned) -> str:
 
 def _hlo_kind(rt, name, kind):
   """What the future compiles to on `name`: its TPU form is an all-to-all."""
-  if name.startswith("tpu") and not rt.OLDER:
+  if name.startswith("tpu"):
     forms = rt._V5P_FORM_KIND if name == "tpu_v5p" else rt._TPU_FORM_KIND
     return forms.get(kind, rt._HLO_KIND[kind])
   return rt._HLO_KIND[kind]
@@ -111,9 +111,19 @@ def _fsdp_cell(rt, name, text, warned, grad):
   # each N-1 permutes, counted as one future: rt._gathers / rt._scatters).
   # Elsewhere each is one pair of the kind it compiles to (v5e's reduce-
   # scatter: its TPU form, an all-to-all).
+  permutes = rt._async(text, "collective-permute")
+  if name == "tpu_v5p" and rt.OLDER and permutes:
+    # jax < 0.12: the permute forms' parts all carry channel 1 (the library
+    # numbers them only in its custom calls), so they are not grouped.
+    return (f"{len(permutes)} permutes, {sum(w.matmuls >= 1 for w in permutes)} "
+            "with a matmul in flight (parts not grouped into futures on jax < 0.12)"
+            + (f", {_said(warned)}" if warned else ""))
   if name == "tpu_v5p" and not rt.OLDER:
     gathers = rt._gathers(text, name)
     scatters = rt._scatters(text, name)
+  elif name == "tpu_v5p":   # jax < 0.12 on an explicit mesh: XLA's reshards
+    gathers = rt._async(text, "all-gather")
+    scatters = rt._async(text, "reduce-scatter")
   else:
     gathers = rt._async(text, _hlo_kind(rt, name, "all_gather"))
     scatters = rt._async(text, _hlo_kind(rt, name, "psum_scatter"))

@@ -311,6 +311,15 @@ def _jax_async_collectives_use_custom_calls() -> bool:
 #: The async pair form this jax's XLA understands (see above).
 ASYNC_CUSTOM_CALLS = _jax_async_collectives_use_custom_calls()
 
+#: Without the custom-call pair, and on TPU/GPU (whose plugins refuse the
+#: async region, 'vhlo.async_start_v1'), a future's start is the plain
+#: collective, and an ordered block keeps its result out of the barriers
+#: until its done: XLA's own async conversion then splits it around the
+#: written work (collectives/lowering.py, ordering/barriers.py; pinned by
+#: tests/aot/real_compilers_test.py::test_future_is_an_async_pair_around_the_matmul
+#: on the older jax).
+IN_FLIGHT_LEFT_UNFENCED = not ASYNC_CUSTOM_CALLS
+
 #: `jax.lax.all_gather(..., to='reduced')` exists.
 ALL_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
 
@@ -589,10 +598,21 @@ def varying_axes(x) -> frozenset | None:
 
 # --- per-module compile options ---------------------------------------------------
 
+#: Marks the plain collective op of a future started on jax without the
+#: custom-call pair (`IN_FLIGHT_LEFT_UNFENCED`): XLA makes it async itself.
+IN_FLIGHT_ATTR = "jax_overlap.in_flight"
+_PLAIN_KIND = {
+    "stablehlo.all_gather": "all-gather", "stablehlo.all_reduce": "all-reduce",
+    "stablehlo.reduce_scatter": "reduce-scatter",
+    "stablehlo.all_to_all": "all-to-all",
+    "stablehlo.collective_permute": "collective-permute"}
+
+
 def async_collective_starts(computation) -> dict[str, int]:
   """Kind ("all-gather", ...) -> how many async collective starts the MLIR
-  module holds: `custom_call @"X-start"` on jax >= 0.12, `async_start`
-  around the collective before."""
+  module holds: `custom_call @"X-start"` on jax >= 0.12; before, an
+  `async_start` around the collective (CPU) or the plain collective of a
+  future (`IN_FLIGHT_ATTR`, TPU/GPU)."""
   counts: dict[str, int] = {}
 
   def visit(op):
@@ -607,6 +627,8 @@ def async_collective_starts(computation) -> dict[str, int]:
         kind = target[: -len("-start")]
     elif name == "stablehlo.async_start":
       kind = "async"
+    elif IN_FLIGHT_ATTR in op.attributes:
+      kind = _PLAIN_KIND.get(name)
     if kind:
       counts[kind] = counts.get(kind, 0) + 1
     return ir.WalkResult.ADVANCE

@@ -71,12 +71,27 @@ TABLE = (
           "some reduce-scatters finished before the next step's matmuls",
           "tests/aot/real_compilers_test.py::"
           "test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu"),
-    Quirk("tpu-flat-all-gather", "tpu", None, "libtpu", ("0.0.52", "0.0.52"),
+    Quirk("tpu-flat-all-gather", "tpu", None, "libtpu", ("0.0.42.1", "0.0.52"),
           "an all_gather_start of a rank >= 2 operand gathers it as one flat "
           "buffer, reshaped after the done: layout assignment may lay the "
           "gathered result out column-major, and the compiler aborts "
           "(RET_CHECK IsMajorDimAllGather)",
           "tests/aot/major_dim_compiled_test.py"),
+    Quirk("gpu-plain-future", "gpu", None, "cuda", ("0.10.2", "0.11.0"),
+          "on jax < 0.12 a future's start is the plain collective, its result "
+          "kept out of program_order's barriers until its done: the plugin "
+          "refuses the async region ('vhlo.async_start_v1'), and XLA's own "
+          "async conversion puts the written work in the window; such "
+          "modules get XLA's collective combiners off (threshold 1 byte): "
+          "they merged fsdp_scan's first two layers' gathers into one",
+          "tests/aot/real_compilers_test.py::"
+          "test_future_is_an_async_pair_around_the_matmul"),
+    Quirk("tpu-plain-future", "tpu", None, "libtpu", ("0.0.42.1", "0.0.44.1"),
+          "as gpu-plain-future; libtpu there makes the all-gather, permute "
+          "and all-to-all (with xla_tpu_enable_async_all_to_all) async, and "
+          "keeps the all-reduce and reduce-scatter synchronous",
+          "tests/aot/real_compilers_test.py::"
+          "test_future_is_an_async_pair_around_the_matmul"),
     Quirk("gpu-overlap-limit", "gpu", None, "cuda", ("0.10.2", "0.12.0.1"),
           "modules with several futures in flight get "
           "xla_gpu_experimental_parallel_collective_overlap_limit raised to "

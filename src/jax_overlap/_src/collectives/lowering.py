@@ -7,11 +7,20 @@ collective op it produces into an async pair:
   `stablehlo.custom_call @"<op>-start"` and the done emits `@"<op>-done"`, so
   what runs between them is what was written between them, and
   `program_order(enforce=True)` fences that order.
-* CPU (and every backend on jax without the custom-call form): the start emits
-  the whole pair back to back and the done is the identity. XLA's CPU
-  compiler crashes or rejects the pair when an optimization_barrier separates
-  its halves, and it makes every collective blocking anyway; this way barriers
-  only ever see finished values.
+* CPU (on jax without the custom-call form too): the start emits the whole
+  pair back to back and the done is the identity. XLA's CPU compiler crashes
+  or rejects the pair when an optimization_barrier separates its halves, and
+  it makes every collective blocking anyway; this way barriers only ever see
+  finished values.
+* GPU/TPU on jax without the custom-call form (`_compat.IN_FLIGHT_LEFT_UNFENCED`;
+  the plugins refuse the async region, 'vhlo.async_start_v1'): the start
+  emits the plain collective, marked `_compat.IN_FLIGHT_ATTR`, and the done
+  is the identity; an ordered block keeps the start's result out of its
+  barriers until the done (ordering/barriers.py), so XLA's own async
+  conversion splits the collective around the written work (quirks
+  "gpu-plain-future" / "tpu-plain-future";
+  tests/aot/real_compilers_test.py::test_future_is_an_async_pair_around_the_matmul
+  on the older jax).
 
 A future may be finished in another region than the one that started it
 (fsdp_scan on an explicit mesh starts a gather in one `jax.shard_map` and
@@ -37,6 +46,7 @@ import functools
 import json
 from typing import Any
 
+import jax
 import numpy as np
 from jax._src.interpreters import mlir
 from jax._src.interpreters import pxla
@@ -114,7 +124,38 @@ def _lower_start_here(ctx, x, *aux, comm, split):
       y = _to_custom_call_pair(ctx, op, comm, split=split)
     elif _fits_async_region(ctx, op):
       y = _to_async_region_pair(op)
+    elif leaves_in_flight(_platforms(ctx)):
+      _mark_in_flight(ctx, op)
   return [y, x]
+
+
+def leaves_in_flight(platforms) -> bool:
+  """Whether a future lowered for `platforms` is its plain collective, left
+  in flight up to its done (the module docstring): jax without the
+  custom-call pair, compiling for TPU or GPU only."""
+  if not _compat.IN_FLIGHT_LEFT_UNFENCED or not platforms or "cpu" in platforms:
+    return False
+  return any(quirks.applies("gpu-plain-future", p) or
+             quirks.applies("tpu-plain-future", p) for p in platforms)
+
+
+#: Plain collectives libtpu (0.0.42.1, 0.0.44.1) compiles synchronous
+#: whatever the barriers leave them (with the async flags too): no window.
+_TPU_KEEPS_SYNC = {
+    "all-reduce": "libtpu compiles an all-reduce synchronous there",
+    "reduce-scatter": "libtpu compiles a reduce-scatter synchronous there",
+}
+
+
+def _mark_in_flight(ctx, op) -> None:
+  op.attributes[_compat.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
+  name = _ASYNC_NAME[op.name]
+  if "tpu" in _platforms(ctx) and name in _TPU_KEEPS_SYNC:
+    op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
+    not_async.warn_future_lowered_sync("tpu", name, (
+        f"on jax {jax.__version__} the future is the plain collective, which "
+        f"XLA makes async by itself, but {_TPU_KEEPS_SYNC[name]} (also with "
+        "its async flags); jax >= 0.12 has an async form of it on TPU"))
 
 
 def _platforms(ctx) -> tuple[str, ...]:
@@ -161,6 +202,8 @@ def _lower_form_start(ctx, x, comm, *, split):
     return _to_custom_call_pair(ctx, op, comm, split=False)
   if _fits_async_region(ctx, op):
     return _to_async_region_pair(op)
+  if leaves_in_flight(_platforms(ctx)):
+    _mark_in_flight(ctx, op)
   return buf
 
 

@@ -20,6 +20,14 @@ own `program_order` also follows (the conformance suite pins the counts):
 
 It runs while a program is lowered: from `to_lojax` on jax >= 0.12, from the
 MLIR lowering rule on older jax. Nowhere else.
+
+With `leave_in_flight` (jax < 0.12 lowering for TPU/GPU,
+`_compat.IN_FLIGHT_LEFT_UNFENCED`), a future's in-flight value (a
+`collective_start`'s first output, there the plain collective's result)
+goes through no barrier but the one that fences the equation reading it
+(its done): the collective then may finish anywhere up to its done, and
+XLA's async conversion puts the written work in its window. The barriers
+stay where they are (the other values keep them).
 """
 
 from __future__ import annotations
@@ -56,13 +64,24 @@ _SYNC_COLLECTIVES = frozenset({
     "ppermute", "ragged_all_to_all"})
 
 
+#: The primitive whose first output is a future's in-flight value.
+_STARTS = "collective_start"
+
+
 def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
-                 strict_out: bool) -> list[Any]:
-  """Evaluates `closed` on `args` with the barriers that fix its order."""
+                 strict_out: bool, leave_in_flight: bool = False) -> list[Any]:
+  """Evaluates `closed` on `args` with the barriers that fix its order
+  (`leave_in_flight`: see the module docstring)."""
   # psum_start's ring form on TPU: its all-gather half moves up into the
   # reduce-scatter half's window (collectives/ring_psum.py).
   jaxpr = ring_psum.advance_second_halves(_compat.open_jaxpr(closed))
   env: dict[core.Var, Any] = {}
+  in_flight = frozenset(eqn.outvars[0] for eqn in jaxpr.eqns
+                        if leave_in_flight and eqn.primitive.name == _STARTS)
+  # Plain collectives that read nothing of the step before (fsdp_scan's next
+  # layer's shards) XLA's combiners merge across steps into one, before the
+  # first: tied to the block's other inputs, each waits for its step.
+  strict_in = strict_in or bool(in_flight)
 
   def read(atom):
     return _constant(atom) if _is_constant(atom) else env[atom]
@@ -101,7 +120,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
       token = _compat.new_token()
-      *prev_vals, token = _compat.barrier([*prev_vals, token])
+      prev_vals, token = _fence_with_token(prev, prev_vals, token, in_flight)
       # The literals go in as the call's operands, so the late-inlined call
       # holds no constant (see `_compat.call_after_token`).
       outs = _compat.call_after_token(
@@ -113,12 +132,12 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
         fenced = [f and not ex for f, ex in zip(fenced, eqn.params["excluded"])]
       if any(fenced):
         prev_vals, invals = _fence_each_input(prev, prev_vals, eqn,
-                                              invals, fenced)
+                                              invals, fenced, in_flight)
       outs = _compat.bind_eqn(eqn, invals)
     else:
       carry = False
       prev_vals, invals = _fence_together(prev, prev_vals, eqn, invals,
-                                          literal)
+                                          literal, in_flight)
       outs = _compat.bind_eqn(eqn, invals)
     if prev is not None:
       write(prev.outvars, prev_vals)
@@ -156,10 +175,22 @@ def _constant(atom):
   return atom.val if isinstance(atom, core.Literal) else atom
 
 
-def _fence_together(prev, prev_vals, eqn, invals, literal):
-  """One barrier over A's unconsumed outputs and B's non-literal inputs."""
+def _fence_with_token(prev, prev_vals, token, in_flight):
+  """A's outputs (but those in flight) and a new token, through one barrier."""
+  tied = [i for i, v in enumerate(prev.outvars) if v not in in_flight]
+  *fenced, token = _compat.barrier([*(prev_vals[i] for i in tied), token])
+  prev_vals = list(prev_vals)
+  for i, x in zip(tied, fenced):
+    prev_vals[i] = x
+  return prev_vals, token
+
+
+def _fence_together(prev, prev_vals, eqn, invals, literal, in_flight):
+  """One barrier over A's unconsumed outputs (but those in flight) and B's
+  non-literal inputs."""
   consumed = set(v for v in eqn.invars if not _is_constant(v))
-  kept = [i for i, v in enumerate(prev.outvars) if v not in consumed]
+  kept = [i for i, v in enumerate(prev.outvars)
+          if v not in consumed and v not in in_flight]
   fed = [i for i, lit in enumerate(literal) if not lit]
   fenced = _compat.barrier([*(prev_vals[i] for i in kept),
                             *(invals[i] for i in fed)])
@@ -172,10 +203,10 @@ def _fence_together(prev, prev_vals, eqn, invals, literal):
   return prev_vals, invals
 
 
-def _fence_each_input(prev, prev_vals, eqn, invals, fenced):
+def _fence_each_input(prev, prev_vals, eqn, invals, fenced, in_flight):
   """A token after A; each fenced input of B not made by A waits for it."""
   token = _compat.new_token()
-  *prev_vals, token = _compat.barrier([*prev_vals, token])
+  prev_vals, token = _fence_with_token(prev, prev_vals, token, in_flight)
   made_by_prev = {v: i for i, v in enumerate(prev.outvars)
                   if not isinstance(v, core.DropVar)}
   invals = list(invals)

@@ -82,6 +82,10 @@ from jax_overlap._src.ordering import gpu_ties
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
+#: XLA:GPU's combiners, off (1 byte) for modules holding plain futures.
+GPU_COMBINE_THRESHOLDS = tuple(
+    f"xla_gpu_{kind}_combine_threshold_bytes"
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"))
 TPU_ALL_GATHER_LIMIT = "xla_max_concurrent_async_all_gathers"
 TPU_ASYNC_ALL_TO_ALL = "xla_tpu_enable_async_all_to_all"
 TPU_PERMUTE_LIMIT = "xla_max_concurrent_async_collective_permutes"
@@ -133,7 +137,8 @@ def fenced_sync_collectives(computation) -> list[str]:
   found: list[str] = []
 
   def visit(op):
-    if op.name in _SYNC_COLLECTIVES and not_async.SYNC_FUTURE_ATTR not in op.attributes:
+    if op.name in _SYNC_COLLECTIVES and not_async.SYNC_FUTURE_ATTR not in op.attributes \
+        and _compat.IN_FLIGHT_ATTR not in op.attributes:
       for operand in op.operands:
         owner = operand.owner
         if isinstance(owner, ir.Block):
@@ -154,7 +159,7 @@ def _options_for(computation, platform: str, user_options, *,
                  device_kind: str | None = None) -> dict[str, Any]:
   if platform not in (*_GPU_PLATFORMS, "tpu"):
     return {}
-  if platform == "tpu" and _form_count(computation) > 1:
+  if platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS and _form_count(computation) > 1:
     if quirks.applies("tpu-forms-in-flight", platform, device_kind):
       _chain_forms(computation)
     else:
@@ -172,12 +177,38 @@ def _options_for(computation, platform: str, user_options, *,
   if (starts.get("collective-permute", 0) > 1
       and quirks.applies("tpu-permute-scheduler", platform, device_kind)):
     wanted[TPU_EXPERIMENTAL_SCHEDULER] = True
+  if (platform in _GPU_PLATFORMS and _holds_plain_futures(computation)
+      and quirks.applies("gpu-plain-future", platform)):
+    # jax < 0.12: the futures are plain collectives (collectives/lowering.py),
+    # which XLA's combiners merge when nothing orders them (fsdp_scan's first
+    # step starts layer 0's and layer 1's gathers together: one gather, done
+    # before the first matmul); each stays the future it was written as.
+    wanted.update({k: 1 for k in GPU_COMBINE_THRESHOLDS})
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
     # their step's compute; a target that has it off (the A100 spec) runs
     # each one synchronously (docs/compilers.md, the A100 rows).
     wanted[GPU_LATENCY_HIDING] = True
   return {k: v for k, v in wanted.items() if k not in (user_options or {})}
+
+
+def _holds_plain_futures(computation) -> bool:
+  """Whether the module holds a future's plain collective
+  (`_compat.IN_FLIGHT_ATTR`, jax < 0.12)."""
+  if not _compat.IN_FLIGHT_LEFT_UNFENCED:
+    return False
+  found = []
+
+  def visit(op):
+    if _compat.IN_FLIGHT_ATTR in op.attributes:
+      found.append(op)
+      return ir.WalkResult.INTERRUPT
+    return ir.WalkResult.ADVANCE
+  try:
+    computation.operation.walk(visit)
+  except AttributeError:  # not an MLIR module
+    return False
+  return bool(found)
 
 
 def _explicit_fsdp_ties(computation) -> int:

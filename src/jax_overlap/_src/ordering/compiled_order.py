@@ -53,7 +53,9 @@ def note_ordered_block(ctx, body) -> None:
         "way): the compiled CPU program may not keep the written order "
         "(values are unaffected)."))
   accelerators = [p for p in platforms if p != "cpu"]
+  from jax_overlap._src.collectives import lowering as futures  # noqa: PLC0415
   if (accelerators and not _compat.ASYNC_CUSTOM_CALLS
+      and not futures.leaves_in_flight(platforms)
       and _starts_future(_compat.open_jaxpr(body))):
     _warn_once("async:" + ",".join(accelerators), (
         f"program_order: on this jax ({jax.__version__}) an async "

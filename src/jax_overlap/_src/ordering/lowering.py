@@ -19,11 +19,12 @@ from jax_overlap._src.ordering.compiled_order import note_ordered_block
 from jax_overlap._src.ordering.primitive import bind, program_order_p
 
 
-def _ordered_body(closed, args, *, strict_in, strict_out):
+def _ordered_body(closed, args, *, strict_in, strict_out, leave_in_flight=False):
   """DCEs the body, keeping all outputs, then runs it with barriers."""
   n_out = len(_compat.open_jaxpr(closed).outvars)
   closed, _ = _compat.dce(closed, [True] * n_out, instantiate=True)
-  return run_in_order(closed, args, strict_in=strict_in, strict_out=strict_out)
+  return run_in_order(closed, args, strict_in=strict_in, strict_out=strict_out,
+                      leave_in_flight=leave_in_flight)
 
 
 # --- jax >= 0.12: lower through lojax ---------------------------------------
@@ -67,9 +68,11 @@ def _mlir_lowering(ctx, *args, call_jaxpr, enforce, strict_in, strict_out,
   compile_hook.mark_owned(ctx.module_context)
   if enforce:
     note_ordered_block(ctx, call_jaxpr)
+    from jax_overlap._src.collectives import lowering as futures  # noqa: PLC0415
+    leave = futures.leaves_in_flight(tuple(ctx.module_context.platforms or ()))
     lowered = mlir.lower_fun(
         lambda *xs: _ordered_body(call_jaxpr, xs, strict_in=strict_in,
-                                  strict_out=strict_out),
+                                  strict_out=strict_out, leave_in_flight=leave),
         multiple_results=True)
     return lowered(ctx, *args)
   return _compat.lower_jaxpr_inline(ctx, call_jaxpr, *args)
