@@ -82,3 +82,10 @@ def test_axis_not_bound():
   q, k, v = _arrays()
   with pytest.raises(NameError, match="no mesh axis named 'sp'"):
     _call(lambda q, k, v, axis: ring_attention(q, k, v, axis="sp"), q, k, v)
+
+
+@pytest.mark.parametrize("scale", ["auto", [0.5]])
+def test_scale_not_a_number(scale):
+  # A string that float() refuses raised float()'s own ValueError before.
+  with pytest.raises(TypeError, match=r"ring_attention\(scale=.*must be a Python number"):
+    _call(ring_attention, *_arrays(), scale=scale)

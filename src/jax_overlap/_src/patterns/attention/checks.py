@@ -68,7 +68,7 @@ def scale(name: str, scale, head_dim: int) -> float:
     return float(1.0 / np.sqrt(head_dim))
   try:
     return float(scale)
-  except TypeError:
+  except (TypeError, ValueError):
     raise TypeError(
         f"{name}(scale={scale!r}) must be a Python number (the scores are "
         "q @ k * scale).") from None
