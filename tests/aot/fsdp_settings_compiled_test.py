@@ -79,7 +79,11 @@ def _compiled(name, setting):
 
 
 def _windows(text, kind):
-  return [w for w in schedule.windows(text) if w.kind == kind]
+  """The windows of `kind`, each as many times as it runs (fsdp_scan's
+  loops hold one layer an iteration: a loop body's window runs once a
+  layer)."""
+  return schedule.runs(text, [w for w in schedule.windows(text)
+                              if w.kind == kind])
 
 
 def _ops(text, opcode):

@@ -397,17 +397,33 @@ EMPTY_WINDOW_OLDER = {
 def _gathers(text, name):
   """The windows of the all-gather futures: on v5p (jax 0.12) each is one
   `schedule.Composed` of permutes, with the matmuls all its parts have in
-  flight."""
+  flight. Each as many times as it runs (`_runs`)."""
   if name == "tpu_v5p" and not OLDER:
-    return [f for f in schedule.permute_futures(text) if f.is_gather]
-  return _async(text, "all-gather")
+    return schedule.runs(text, [f for f in schedule.permute_futures(text)
+                                if f.is_gather])
+  return _runs(text, "all-gather")
 
 
 def _scatters(text, name):
   """As `_gathers`, for the reduce-scatter futures."""
   if name == "tpu_v5p" and not OLDER:
-    return [f for f in schedule.permute_futures(text) if not f.is_gather]
-  return _async(text, "reduce-scatter")
+    return schedule.runs(text, [f for f in schedule.permute_futures(text)
+                                if not f.is_gather])
+  return _runs(text, "reduce-scatter")
+
+
+def _runs(text, kind):
+  """`_async`, each window as many times as it runs: fsdp_scan's loops
+  hold one layer an iteration (its default unroll), so a loop body's
+  window is one layer's, run once a layer."""
+  return schedule.runs(text, _async(text, kind))
+
+
+def _again(**kw) -> int:
+  """1 where fsdp_scan's plan runs the last layer in the loops
+  (`Step.again`): its forward step gathers it once more, its backward step
+  reduce-scatters a zero gradient, one window more each."""
+  return int(any(s.again for s in jax_overlap.fsdp_plan(LAYERS, **kw).steps))
 
 
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100"])
@@ -499,7 +515,7 @@ def test_fsdp_scan_with_weights_sharded_on_their_minor_axis(name, grad):
   gathers = _gathers(text, name)
   assert sum(g.matmuls >= 1 for g in gathers) >= passes * (LAYERS - 1), gathers
   if grad:
-    scatters = (_async(text, "all-to-all") if name == "tpu_v5e" else
+    scatters = (_runs(text, "all-to-all") if name == "tpu_v5e" else
                 _scatters(text, name))
     assert sum(s.matmuls >= 1 for s in scatters) >= LAYERS - 1, scatters
 
@@ -672,7 +688,7 @@ def test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu(name):
     forms, gathers = _scatters(text, name), _gathers(text, name)
     assert len(forms) == LAYERS, forms
   else:
-    forms, gathers = _async(text, "all-to-all"), _async(text, "all-gather")
+    forms, gathers = _runs(text, "all-to-all"), _runs(text, "all-gather")
   assert sum(w.matmuls >= 1 for w in forms) >= LAYERS - 1, forms
   assert sum(w.matmuls >= 1 for w in gathers) >= 2 * (LAYERS - 1), gathers
   assert not warned, warned
@@ -717,7 +733,7 @@ def test_fsdp_scan_on_an_explicit_mesh(name, grad):
   _short("explicit", name, got, wanted)
   assert got >= wanted, gathers
   if grad and not name.startswith("tpu"):
-    scatters = _async(text, "reduce-scatter")
+    scatters = _runs(text, "reduce-scatter")
     assert _weights_moved(text, scatters) >= (LAYERS - 1) * WEIGHTS, scatters
   if grad and name.startswith("tpu"):
     # On TPU (jax 0.12) the moves are futures in shard_maps over the fsdp
@@ -726,7 +742,7 @@ def test_fsdp_scan_on_an_explicit_mesh(name, grad):
     # all-to-all, one in flight at a time): each but the last layer's has
     # the layer's matmuls in flight (measured, libtpu 0.0.52: 3 of 3, and
     # 11 of 11 gathers, 6 of 6 forward).
-    forms = _scatters(text, name) if v5p else _async(text, "all-to-all")
+    forms = _scatters(text, name) if v5p else _runs(text, "all-to-all")
     assert sum(w.matmuls >= 1 for w in forms) >= LAYERS - 1, forms
 
 
@@ -736,11 +752,12 @@ def test_fsdp_scan_buckets_keep_their_windows_on_h100():
   # all but the first gather of each pass, and all but the last scatter,
   # are in flight across matmuls.
   text, warned = _compiled("gpu_h100", "fsdp", True, True)
-  gathers = _async(text, "all-gather")
-  scatters = _async(text, "reduce-scatter")
+  gathers = _runs(text, "all-gather")
+  scatters = _runs(text, "reduce-scatter")
   # (+ 1: layer 0's two weights are gathered apart, b behind a's matmul:
   # the stack's ends split by use order, patterns/fsdp/use_order.py)
-  assert len(gathers) == 2 * LAYERS + SPLIT, gathers
+  assert len(gathers) == 2 * LAYERS + SPLIT + _again(
+      reshard_after_forward=True), gathers
   assert sum(w.matmuls >= 1 for w in gathers) >= 2 * (LAYERS - 1), gathers
   assert sum(w.matmuls >= 1 for w in scatters) >= LAYERS - 1, scatters
   assert not warned, warned
@@ -767,17 +784,23 @@ def test_fsdp_scan_ends_hide_the_first_gather_and_the_last_reduce_scatter(name):
   last = {}
   for ends, reshard in ((False, None), (True, None), (True, True)):
     text, warned = _compiled(name, "fsdp_ends", ends, reshard)
-    gathers = _async(text, "all-gather")
-    scatters = sorted(_async(text, scatter), key=lambda w: w.done)
-    last[ends, reshard] = sum(map(_computes, scatters[-1].between)) \
-        if len(scatters) == LAYERS else 0
+    gathers = _runs(text, "all-gather")
+    # (layer 0's, the last, outside the loops)
+    scatters = _runs(text, scatter)
+    again = _again(**({} if reshard is None else
+                      dict(reshard_after_forward=reshard)))
+    outside = sorted((w for w in scatters if w.computation == "ENTRY"),
+                     key=lambda w: w.done)
+    last[ends, reshard] = sum(map(_computes, outside[-1].between)) \
+        if len(scatters) == LAYERS + again else 0
     assert not warned, warned
     if ends:
       kept = 0 if reshard is True else 1
       # (+ SPLIT: layer 0's second weight gathered behind its first matmul)
-      assert len(gathers) == 2 * LAYERS - kept + SPLIT, (reshard, gathers)
+      assert len(gathers) == 2 * LAYERS - kept + SPLIT + again, \
+          (reshard, gathers)
       assert all(any(map(_computes, w.between)) for w in gathers), gathers
-      assert len(scatters) == LAYERS, scatters
+      assert len(scatters) == LAYERS + again, scatters
       assert all(any(map(_computes, w.between)) for w in scatters), scatters
   assert last[False, None] == 0, last
   assert last[True, None] >= 1 and last[True, True] >= 1, last
@@ -794,15 +817,16 @@ def test_fsdp_scan_memory_knobs_keep_their_windows(name, reshard, prefetch):
   # last too. A kept layer is not regathered at all.
   text, warned = _compiled(name, "fsdp", True, True, reshard, prefetch)
   kept = 0 if reshard is True else LAYERS if reshard is False else reshard
-  gathers = _async(text, "all-gather")
+  gathers = _runs(text, "all-gather")
   regathers = LAYERS - kept - (1 if kept == 0 else 0)
   assert sum(w.matmuls >= 1 for w in gathers) >= LAYERS - 1 + regathers, \
       gathers
   if name == "gpu_h100":
     # (layer 0 split by use order where one layer is kept and prefetch=1)
     split = SPLIT if reshard in (1, True) and prefetch == 1 else 0
-    assert len(gathers) == 2 * LAYERS - kept + split, gathers
-    scatters = _async(text, "reduce-scatter")
+    again = _again(reshard_after_forward=reshard, prefetch=prefetch)
+    assert len(gathers) == 2 * LAYERS - kept + split + again, gathers
+    scatters = _runs(text, "reduce-scatter")
     assert sum(w.matmuls >= 1 for w in scatters) >= LAYERS - 1, scatters
   assert not warned, warned
 

@@ -223,3 +223,31 @@ def permute_futures(text: str) -> list[Composed]:
       sources = frozenset(comps[key[0]][p.start].operands[:1] for p in f)
       out.append(Composed(key[0], tuple(f), op.group(1) if op else "", sources))
   return sorted(out, key=lambda f: (f.computation, f.parts[0].start))
+
+
+def trips(text: str) -> dict[str, int]:
+  """While body name -> how many times the loop runs it: the compiler's
+  `known_trip_count` where it gives one, else the bound its condition
+  compares the counter with (jax's loops count up from 0)."""
+  comps = computations(text)
+  out = {}
+  for m in re.finditer(r"condition=%([\w.\-]+), body=%([\w.\-]+)(.*)", text):
+    cond, body, rest = m.groups()
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if known:
+      out[body] = int(known.group(1))
+      continue
+    bounds = [int(c) for i in comps.get(cond, ())
+              for c in re.findall(r"constant\((\d+)\)", i.line)]
+    if len(bounds) == 1:
+      out[body] = bounds[0]
+  return out
+
+
+def runs(text: str, found: list) -> list:
+  """`found` (windows, or futures with a `computation`), each listed once
+  per time it runs: a loop body's as many times as its loop iterates (a
+  count of a program's windows then does not depend on how far its loops
+  are unrolled)."""
+  n = trips(text)
+  return [w for w in found for _ in range(n.get(w.computation, 1))]

@@ -110,7 +110,8 @@ def _fsdp_cell(rt, name, text, warned, grad):
   # Buckets (the default): one gather and one reduce-scatter a layer (v5p:
   # each N-1 permutes, counted as one future: rt._gathers / rt._scatters).
   # Elsewhere each is one pair of the kind it compiles to (v5e's reduce-
-  # scatter: its TPU form, an all-to-all).
+  # scatter: its TPU form, an all-to-all). Each counted as many times as it
+  # runs (a loop body's once a layer: rt._runs).
   permutes = rt._async(text, "collective-permute")
   if name == "tpu_v5p" and rt.OLDER and permutes:
     # jax < 0.12: the permute forms' parts all carry channel 1 (the library
@@ -125,8 +126,8 @@ def _fsdp_cell(rt, name, text, warned, grad):
     gathers = rt._async(text, "all-gather")
     scatters = rt._async(text, "reduce-scatter")
   else:
-    gathers = rt._async(text, _hlo_kind(rt, name, "all_gather"))
-    scatters = rt._async(text, _hlo_kind(rt, name, "psum_scatter"))
+    gathers = rt._runs(text, _hlo_kind(rt, name, "all_gather"))
+    scatters = rt._runs(text, _hlo_kind(rt, name, "psum_scatter"))
   want = (2 if grad else 1) * (rt.LAYERS - 1)
   cell = f"gathers {sum(w.matmuls >= 1 for w in gathers)}/{want}"
   if grad:
@@ -252,7 +253,7 @@ def merge(files) -> str:
             "*k/n*: k gathers (reduce-scatters) with a matmul in flight, n wanted "
             "(all gathers but each pass's first layer's, all reduce-scatters but "
             "the last layer's; k can pass n, because layer 0's weights are gathered in groups cut "
-            "at its matmuls, each but the first with one in flight); on TPU v5e a psum_scatter_start is its TPU form, an all-to-all; "
+            "at its matmuls, each but the first with one in flight; a loop body's counted once an iteration); on TPU v5e a psum_scatter_start is its TPU form, an all-to-all; "
             "on v5p the gathers and reduce-scatters are each N-1 permutes, counted as one. Collective matmul, forward / backward: async "
             "permutes with a block matmul in the window / all permutes. expert_parallel "
             "(moe_compiled_test.py's block: 2 chunks, 2 experts a device, top-2, capacity 8), forward / "

@@ -120,6 +120,14 @@ def _check(p, kw):
   assert p.forward[0].split == split
   assert bwd[-1].split == (split and not hsdp)
   assert p.fence_inputs == (not default_shape)
+  # the last layer in the loops where the default schedule runs in shard_map
+  # with one stage: its forward step regathers it (the kept copy), its
+  # backward step reduce-scatters zeros; neither in gathers / scatters
+  fold = kw["futures"] and default_shape and k == 1 and not hsdp and n >= 2
+  again = [s for s in p.steps if s.again]
+  assert [(s.compute, s.layer) for s in again] == (
+      [("layer", n - 1), ("layer_back", n - 1)] if fold else [])
+  assert all(s.loop for s in again) and all(s.keeps for s in again[:1])
   # every step is in the table, and the notes say why where nothing split
   text = str(p)
   assert len(text.splitlines()) >= len(p.steps) + 3
@@ -159,15 +167,16 @@ pass      #  computes                                                   gathers 
 --------  -  ---------------------------------------------------------  -------  ---------------  -----------  --------  -----  ----
 forward   0  before(x), then layer 0 [split by use]                     0, 1     -                -            gathered  -      -
 forward   1  layer 1                                                    2        -                -            gathered  -      yes
-forward   2  layer 2                                                    -        -                -            gathered  yes    -
+forward   2  layer 2                                                    2 again  -                -            gathered  yes    yes
 forward   3  after(y)                                                   -        -                -            -         -      -
 backward  0  after's backward                                           -        -                -            -         -      -
-backward  1  layer 2's backward                                         1        -                -            kept      -      -
+backward  1  layer 2's backward                                         1        zeros            -            kept      -      yes
 backward  2  layer 1's backward                                         0        2                -            gathered  -      yes
 backward  3  layer 0's backward, then before's backward [split by use]  -        1, 0             -            gathered  -      -
 notes:
   - layer 0's gathers and its gradient's reduce-scatters travel in groups by first use, where the traced layer gives two or more groups; else as one transfer.
-  - bucket: each transfer moves all of a layer's sharded leaves of one dtype in one collective."""
+  - bucket: each transfer moves all of a layer's sharded leaves of one dtype in one collective.
+  - layer 2 runs in the loops: its forward step gathers it again (the copy the backward pass keeps), its backward step reduce-scatters a zero gradient (one copy of the layer a pass in the compiled program)."""
   hsdp = jo.fsdp_plan(4, prefetch=2, reshard_after_forward=2,
                       replica_axis="r")
   rows = hsdp.table().splitlines()
@@ -177,6 +186,21 @@ notes:
   assert "prefetch=2" in str(hsdp) and "HSDP" in str(hsdp)
   assert any("not split by use order" in n for n in hsdp.notes)
   assert repr(hsdp) == "FsdpPlan(n_layers=4, prefetch=2, kept=2, steps=11)"
+
+
+def test_the_default_program_holds_the_layer_once_a_loop():
+  # The default schedule's loops run every layer but layer 0 (split by use
+  # order) in each pass, one layer an iteration: the lowered gradient step
+  # holds 4 copies of the layer (layer 0 and the loop, each pass), so 2
+  # matmuls forward and 4 backward each: 12 dot_generals. unroll=2 holds 4
+  # copies a pass (layer 0, the loop's 2 and the odd trip run before it):
+  # 24, as many as the former default (unroll=2, the last layer apart).
+  loss, _, args = _model(4, {}, ends=False)
+  text = loss.lower(*args).as_text()
+  assert text.count("stablehlo.dot_general") == 12, \
+      text.count("stablehlo.dot_general")
+  unrolled, _, _ = _model(4, dict(unroll=2), ends=False)
+  assert unrolled.lower(*args).as_text().count("stablehlo.dot_general") == 24
 
 
 def _model(n, kw, ends):

@@ -414,7 +414,7 @@ def _call(fn, params, **kwargs):
     (dict(layer=42), {"w": jnp.ones((2, D, D))}, TypeError,
      r"fsdp_scan\(layer=...\) must be a function layer\(x, layer_params\)"),
     (dict(unroll=0), {"w": jnp.ones((2, D, D))}, ValueError,
-     r"unroll=...\) must be an int >= 1, got 0"),
+     r"unroll=...\) must be an int >= 1 or None, got 0"),
     (dict(), {"w": jnp.ones((D,))}, ValueError,
      r"leaf \['w'\] has shape \(16,\); every leaf needs a leading layer"),
     (dict(), {"a": jnp.ones((2, D, D)), "b": jnp.ones((3, D, D))}, ValueError,

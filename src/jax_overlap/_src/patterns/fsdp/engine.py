@@ -12,7 +12,11 @@ all-reduce); a step gathering several layers nests them.
 Consecutive layer steps that do the same thing relative to their layer (the
 same gathers, buffer length, weights' source, pending reduce-scatters) run as
 one `lax.scan` (remainder first, `_scan_remainder_first`); the others run one
-by one. Values and gradients equal `lax.scan`'s for every plan
+by one. Where the plan says `again`, the last layer's steps join the loops:
+forward, its gather index is clamped to the last layer (that regathered copy
+is what the backward pass keeps); backward, the loop starts with a zero
+gradient pending (its reduce-scatter lands on the last layer's slot, which
+the next step overwrites). Values and gradients equal `lax.scan`'s for every plan
 (tests/patterns/fsdp/fsdp_plan_test.py, fsdp_memory_knobs_test.py).
 """
 
@@ -20,16 +24,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jax_overlap._src import _compat
 
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp import use_order
 from jax_overlap._src.patterns.fsdp.layer_inputs import (differentiable,
                                                          float0_zeros)
-from jax_overlap._src.patterns.fsdp.one_layer import (layer_at, layer_backward,
+from jax_overlap._src.patterns.fsdp.one_layer import (Splits, layer_at,
+                                                      layer_backward,
                                                       layer_forward)
 from jax_overlap._src.patterns.fsdp.plan import backward_signature, runs
 from jax_overlap._src.patterns.fsdp.stack_ends import NO_ENDS, saved_of
+from jax_overlap._src.patterns.varying import vary_over
 
 
 def _offsets(step) -> tuple:
@@ -41,6 +50,7 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
   what `ends` reads (with `StackEnds`: x, the hoisted values and the ends'
   consts; else the stack's carry)."""
   n = plan.n_layers
+  splits = Splits(layer)   # the layer split by weights, traced once a type
   x_avals = []   # x's types as one layer sees them (for the backward's trace)
 
   def step(compute, stack, gathers, scatter=None, reduce=None):
@@ -97,9 +107,12 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       if not save:
         return layer(x, w), None
       x_avals[:] = [jax.tree.map(jax.typeof, x)]
-      return layer_forward(layer, remat_policy, x, w)
+      return layer_forward(splits, remat_policy, x, w)
 
     entry, *steps = [s for s in plan.forward if s.compute != "after"]
+    fold_fwd = save and any(s.again for s in steps)
+    gather_index = (lambda i: jnp.minimum(i, n - 1)) if fold_fwd else \
+        (lambda i: i)
     pieces = []   # (first layer, last layer + 1, (saved, kept), stacked)
     first = None
     if entry.split:   # before and layer 0 in one block (use_order.py)
@@ -122,25 +135,30 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       # join across the kept layers' first step, and loop where longer than
       # one step (the plan's loops are those of the pass that saves).
       looped = s.loop if save or not plan.fence_inputs else None
+      if s.again:   # as the loop's steps with a gradient, else on its own
+        return ((1,), s.buffered, False, True) if save else \
+            ((), s.buffered, False, False)
       return _offsets(s), s.buffered, save and s.keeps, looped
 
     def body_of(offsets, keep):
       def body(carry, j):
         x, buf = carry
         (x, saved), got, _, _ = step(lambda: run_layer(x, buf[0]), params_,
-                                     [j + o for o in offsets])
+                                     [gather_index(j + o) for o in offsets])
         return (x, tuple(buf[1:]) + tuple(got)), (saved, buf[0] if keep
                                                   else None)
       return body
 
     for run_ in runs(steps, signature):
       offsets, _, keep, looped = signature(run_[0])
-      if looped is None:
-        run_ = [s._replace(loop=len(run_) > 1) for s in run_]
+      looped = len(run_) > 1 if looped is None else looped
+      run_ = [s._replace(loop=looped) for s in run_]
       carry, more = loop(body_of(offsets, keep), carry, run_)
       pieces += more
+    # Folded: the last step's gather (of its own layer) is the kept copy.
+    kept_last = carry[1][0] if fold_fwd else None
     x, left = ends.leave(carry[0], x_run, save)
-    return x, (pieces, saved_of(ends, entered, left, x_run))
+    return x, (pieces, saved_of(ends, entered, left, x_run), kept_last)
 
   @jax.custom_vjp
   def run_(x, params_):
@@ -153,7 +171,7 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
   # --- backward --------------------------------------------------------------------
 
   def run_bwd(residuals, out_bar):
-    (pieces, ends_saved), params_ = residuals
+    (pieces, ends_saved, kept_last), params_ = residuals
     if plan.fence_inputs:
       # The backward pass reads the stack through a barrier: else a regather
       # can be the very op of a forward gather (same layer, same operand) and
@@ -161,7 +179,7 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       # verifier refused 6 layers with prefetch=3 so).
       params_ = lax.optimization_barrier(params_)
     backward = lambda pullback, w, y_bar: layer_backward(
-        layer, pullback, w, x_avals[0], y_bar)
+        splits, pullback, w, x_avals[0], y_bar)
     # Integer, boolean and key parts of xs have float0 cotangents: a scalar
     # stands in their stack during the loop, float0 zeros come back.
     grads = jax.tree.map(
@@ -189,6 +207,9 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     if split is not None:
       steps = steps[:-1]
     def signature(s):
+      if s.again:   # as the loop's steps: weights from the buffer, a
+        # (zero) gradient pending
+        return (_offsets(s), 1, "gathered", 1, piece_of(s.layer), s.loop)
       return (*backward_signature(s, piece_of), s.loop)
 
     def body_of(offsets, from_saved, pending, piece):
@@ -214,13 +235,19 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
             grads = put(grads, reduced, i + 2)
           pend = (g,) + ((scattered,) if scattered is not None else ())
         else:
-          if scattered is not None:
-            grads = put(grads, scattered, i + 1)
+          if scattered is not None:   # (folded: n - 1 is written again)
+            grads = put(grads, scattered, jnp.minimum(i + 1, n - 1))
           pend = (g,)
         return (x_bar, buf + tuple(got), pend, grads), None
       return body
 
     carry = (y_bar, (w,) if regather_last else (), (), grads)
+    if steps[0].again:   # the kept copy in the buffer, a zero gradient pending
+      g_types = jax.make_jaxpr(lambda: backward(
+          saved_at(n - 1, 0), kept_last, y_bar)[1])().out_avals
+      carry = (y_bar, (kept_last,), (jax.tree.unflatten(
+          jax.tree.structure(kept_last), [_zeros(t) for t in g_types]),),
+               grads)
     for run_ in runs(steps, signature):
       offsets, _, weights, pending, piece, _ = signature(run_[0])
       carry, _ = loop(body_of(offsets, weights == "kept", pending, piece),
@@ -253,6 +280,16 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
 
   run_.defvjp(run_fwd, run_bwd)
   return run_(x, params)
+
+
+def _zeros(aval):
+  """Zeros of type `aval`, varying over its mesh axes (a float0 array for
+  a float0 type)."""
+  if aval.dtype == jax.dtypes.float0:
+    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+  axes = _compat.varying_axes(aval)
+  zeros = jnp.zeros(aval.shape, aval.dtype)
+  return zeros if not axes else vary_over(zeros, sorted(axes))
 
 
 def _scan_remainder_first(body, carry, xs, unroll: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 from jax import lax
+from jax._src import core as jax_core
 
 from jax_overlap._src.patterns.fsdp.weight_split import split_by_weights
 
@@ -38,6 +39,29 @@ jax.tree_util.register_pytree_node(_Slot, lambda s: ((), s.index),
                                    lambda index, _: _Slot(index))
 
 
+class Splits:
+  """`split_by_weights(layer, x, w)`, traced once per set of x's and w's
+  types: one `fsdp_scan` call runs the layer in several places (layer 0
+  and the loop in each pass, the backward pass's frontier), and tracing
+  the user's layer anew for each made a good part of the call's trace time
+  (benchmarks/bench_first_call.py --profile fsdp). A split that captured a
+  traced value is not kept (it belongs to the trace that made it)."""
+
+  def __init__(self, layer):
+    self.layer, self._made = layer, {}
+
+  def __call__(self, x, w):
+    leaves, tree = jax.tree.flatten((x, w))
+    key = (tree, tuple(v if isinstance(v, jax_core.AbstractValue)
+                       else jax.typeof(v) for v in leaves))
+    split = self._made.get(key)
+    if split is None:
+      split = split_by_weights(self.layer, x, w)
+      if split.reusable:
+        self._made[key] = split
+    return split
+
+
 def _rest_fn(split, remat_policy):
   if remat_policy is None:
     return split.rest
@@ -46,8 +70,8 @@ def _rest_fn(split, remat_policy):
 
 def layer_forward(layer, remat_policy, x, w):
   """The layer's output and its pullback, with every value the weights alone
-  determine left out (a `_Slot` in its place)."""
-  split = split_by_weights(layer, x, w)
+  determine left out (a `_Slot` in its place). `layer` may be a `Splits`."""
+  split = (layer if isinstance(layer, Splits) else Splits(layer))(x, w)
   frontier = split.prep(w)
   y, pullback = jax.vjp(_rest_fn(split, remat_policy), x, frontier)
   leaves, tree = jax.tree.flatten(pullback)
@@ -63,7 +87,7 @@ def layer_backward(layer, pullback, w, x_avals, y_bar):
   The layer is traced again on x's own types, not on the cotangent's: an
   integer, boolean or PRNG-key part of x has a float0 cotangent, which the
   layer could not index, compare or split with."""
-  split = split_by_weights(layer, x_avals, w)
+  split = (layer if isinstance(layer, Splits) else Splits(layer))(x_avals, w)
   frontier, prep_pullback = jax.vjp(split.prep, w)
   leaves, tree = jax.tree.flatten(pullback,
                                   is_leaf=lambda v: isinstance(v, _Slot))

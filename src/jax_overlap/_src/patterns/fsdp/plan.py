@@ -60,6 +60,12 @@ class Step(NamedTuple):
     groups by first use (use_order.py), in one step with the end beside it.
   loop: the step runs inside a `lax.scan` with the steps beside it that do
     the same relative to their layer (else it runs on its own).
+  again: the last layer's step does what the loop's steps do, so that it
+    runs in the loop (one copy of the layer in the compiled program, not
+    two): forward, it gathers its own layer again (the copy the backward
+    pass keeps, instead of saving the one it used); backward, it
+    reduce-scatters a zero gradient (nothing is pending yet). Neither is
+    in `gathers` / `scatters`: each moves no layer the schedule needs.
   """
   compute: str
   layer: int | None = None
@@ -71,6 +77,7 @@ class Step(NamedTuple):
   buffered: int = 0
   split: bool = False
   loop: bool = False
+  again: bool = False
 
   def says(self) -> str:
     """What the step computes, in words."""
@@ -120,8 +127,10 @@ class FsdpPlan:
     rows = []
     for name, steps in (("forward", self.forward), ("backward", self.backward)):
       for k, s in enumerate(steps):
-        rows.append((name, str(k), s.says(), _layers(s.gathers),
-                     _layers(s.scatters),
+        again = s.again and name == "forward"
+        rows.append((name, str(k), s.says(),
+                     f"{s.layer} again" if again else _layers(s.gathers),
+                     "zeros" if s.again and not again else _layers(s.scatters),
                      _layers(() if s.reduce is None else (s.reduce,)),
                      s.weights or "-", "yes" if s.keeps else "-",
                      "yes" if s.loop else "-"))
@@ -290,6 +299,14 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
     notes.append("has_ys: each layer's y is written into a buffer carried "
                  "beside x; its cotangent flows back through the carry.")
   fence = not default_shape
+  # The last layer in the loops (Step.again): the default schedule, inside
+  # shard_map, one stage, the last layer kept.
+  fold = futures and default_shape and kept == 1 and stages == 1 and n >= 2
+  if fold:
+    notes.append(f"layer {n - 1} runs in the loops: its forward step gathers "
+                 "it again (the copy the backward pass keeps), its backward "
+                 "step reduce-scatters a zero gradient (one copy of the layer "
+                 "a pass in the compiled program).")
   if fence:
     notes.append("each layer step's inputs are fenced before it starts (this "
                  "schedule holds several gathered layers).")
@@ -303,7 +320,8 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
   for j in range(1 if split_fwd else 0, n):
     forward.append(Step(
         "layer", j, tuple(forward_gathers(j, n, p)), weights="gathered",
-        keeps=j >= n - kept, buffered=1 if j == 0 else min(p, n - j)))
+        keeps=j >= n - kept, buffered=1 if j == 0 else min(p, n - j),
+        again=fold and j == n - 1))
   if after:
     forward.append(Step("after"))
 
@@ -323,7 +341,7 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
         reduce=i + 2 if stages == 2 and i < n - 2 else None,
         weights="kept" if i >= regathered else "gathered",
         buffered=backward_buffered(i, n, p, kept),
-        split=split_bwd and i == 0))
+        split=split_bwd and i == 0, again=fold and i == n - 1))
   if stages == 2 and n >= 2:
     backward.append(Step("", reduce=1))
   if not split_bwd:
@@ -359,7 +377,8 @@ def _loops(forward, backward, n: int, fence: bool, stages: int):
   """The steps with `loop` set. The default schedule loops over the middle
   layers (forward: all but the last, and layer 0 when split; backward: all
   but the last, the first and, with HSDP, the one before the last), even
-  one layer, in a `lax.scan`; the fenced schedules loop over each run of
+  one layer, in a `lax.scan`, and over the last layer where its step does
+  what the loop's do (`Step.again`); the fenced schedules loop over each run of
   more than one step that do the same."""
   layer_steps = lambda steps: [s for s in steps if "layer" in s.compute
                                and not s.split]
@@ -370,10 +389,11 @@ def _loops(forward, backward, n: int, fence: bool, stages: int):
   if fence:
     looped = {id(s) for r in fwd_runs + bwd_runs if len(r) > 1 for s in r}
   else:
-    looped = {id(s) for s in layer_steps(forward) if s.layer < n - 1}
+    looped = {id(s) for s in layer_steps(forward)
+              if s.layer < n - 1 or s.again}
     first_looped = n - 2 if stages == 1 else n - 3
     looped |= {id(s) for s in layer_steps(backward)
-               if 0 < s.layer <= first_looped}
+               if 0 < s.layer <= first_looped or s.again}
   mark = lambda steps: [s._replace(loop=id(s) in looped) for s in steps]
   return mark(forward), mark(backward)
 

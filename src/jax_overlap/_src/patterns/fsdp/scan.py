@@ -25,7 +25,8 @@ from jax_overlap._src.patterns.fsdp.stack_ends import StackEnds, check_end
 
 
 def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
-              shard_dims=None, unroll: int = 2, remat_policy=None,
+              shard_dims=None, unroll: int | None = None,
+              remat_policy=None,
               xs=None, param_dtype=None, reduce_dtype=None,
               bucket: bool = True, replica_axis=None,
               reshard_after_forward: bool | int = 1, prefetch: int = 1,
@@ -90,6 +91,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       mention `axis` is kept replicated the same way.
     unroll: how many layers each iteration of the underlying `lax.scan` runs
       (with `prefetch` p > 1, rounded up to a multiple of p; 1 stays 1).
+      None (the default): 1, or p with `prefetch` p > 1. Each more puts one
+      more copy of the layer in the compiled program, which the compiler
+      then takes longer over (docs/real-clients.md).
     remat_policy: a `jax.checkpoint` policy (a function such as
       `jax.checkpoint_policies.nothing_saveable`, not its name): the layer
       is recomputed in the backward pass as it says, instead of saving all
@@ -207,8 +211,10 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   if not callable(layer):
     raise TypeError(f"fsdp_scan(layer=...) must be a function "
                     f"layer(x, layer_params) -> x, got {layer!r}.")
-  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-    raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1, got {unroll!r}.")
+  if unroll is not None and (isinstance(unroll, bool)
+                             or not isinstance(unroll, int) or unroll < 1):
+    raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1 or None, "
+                     f"got {unroll!r}.")
   check_remat_policy(remat_policy)
   check_bool(has_ys, "has_ys")
   check_bool(bucket, "bucket")
@@ -265,6 +271,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       x = ends.stack_input
     layer, hoisted, _ = traced_layer(user_layer, x, transfer,
                                      layer_at(params, 0), n_layers)
+  if unroll is None:   # one layer an iteration; p with prefetch p
+    unroll = steps.prefetch
   if steps.kept > 1 or steps.prefetch > 1:
     # Loops that carry several gathered layers (plan.loop_unroll); kept
     # layers saved on an explicit mesh need the unroll _compat gives.

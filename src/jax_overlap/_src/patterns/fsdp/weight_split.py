@@ -26,9 +26,12 @@ class WeightSplit(NamedTuple):
   prep: `w -> frontier`, a list of the values computed from the weights alone
     (or the weights themselves) that the rest of the layer reads.
   rest: `(x, frontier) -> y`, every operation that depends on `x`.
+  reusable: no traced value is captured (the layer closes over constants
+    only), so the split may be run again under another trace.
   """
   prep: Callable[[Any], list]
   rest: Callable[[Any, list], Any]
+  reusable: bool = False
 
 
 def trace_layer(layer: Callable, x, w):
@@ -102,7 +105,8 @@ def split_by_weights(layer: Callable, x, w) -> WeightSplit:
     _run(rest_steps, env)
     return jax.tree.unflatten(out_tree, [_read(env, k) for k in out_keys])
 
-  return WeightSplit(prep, rest)
+  return WeightSplit(prep, rest, not any(
+      isinstance(c, core.Tracer) for c in consts.values()))
 
 
 # --- a jaxpr with its nested jit calls inlined ------------------------------------
