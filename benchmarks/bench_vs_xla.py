@@ -58,6 +58,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -576,9 +577,12 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
           err = r["error"].replace("|", "\\|").replace("\n", " ")
           cells = ["-"] * 10 + [f"**failed**: {err}"]
         out.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
-  out += ["", "Step is the inspector's modelled step time (`OverlapReport.step_s`: "
-          "compute plus exposed communication); in flight counts the collectives "
-          "read as async with some compute scheduled beside them."]
+  out += ["", "Step is the inspector's modelled step time (`OverlapReport.step_s`, "
+          "the length of its timeline: the main stream's compute and what the "
+          "collectives expose); compute is the sum over every stream, so where XLA "
+          "runs compute on another stream (GPU async `fusion-start`s) it can exceed "
+          "the step. In flight counts the collectives read as async with some compute "
+          "scheduled beside them."]
   out += ["", "Compute is the inspector's modelled compute of the whole step, every "
           "instruction costed from its shapes (unfused roofline; an in-place "
           "`dynamic-update-slice` moves only its slice since 2026-12-01: before, a "
@@ -597,6 +601,13 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
 
 
 VARIANT_NOTES = {
+    "XLA sharding": "`jax.jit` over global params laid out by `NamedSharding` (blocks "
+        "`P(None, 'd', ...)`, batch `P('d')`), a plain `lax.scan` over the stacked "
+        "blocks with the activations constrained to the batch sharding; XLA's "
+        "partitioner inserts the collectives; XLA's defaults",
+    "XLA sharding + XLA flags": "the same; GPU compile options " + ", ".join(
+        f"`{k}={v}`" for k, v in XLA_GPU_FLAGS.items())
+        + f"; TPU `LIBTPU_INIT_ARGS='{XLA_TPU_FLAGS}'`",
     "plain scan": "`lax.scan` whose body `lax.all_gather`s the layer's shards; XLA's defaults",
     "plain scan + XLA flags": "the same; GPU compile options " + ", ".join(
         f"`{k}={v}`" for k, v in GPU_FLAGS.items()) + f"; TPU `LIBTPU_INIT_ARGS='{TPU_FLAGS}'`",
@@ -633,7 +644,7 @@ def main() -> int:
   if opts.reinspect:
     return reinspect([pathlib.Path(p) for p in opts.reinspect], pathlib.Path(opts.out))
   started = time.perf_counter()
-  command = "python benchmarks/bench_vs_xla.py " + " ".join(sys.argv[1:])
+  command = "python benchmarks/bench_vs_xla.py " + shlex.join(sys.argv[1:])
   s = SHAPES
   shapes_line = (f"d {s['d']}, hidden {s['hidden']}, {s['heads']} heads, seq "
                  f"{s['seq']}, vocab {s['vocab']}, {s['batch_per_device']} sequences "
@@ -747,9 +758,9 @@ def summary(meta: dict, records: list[dict], checks: list[dict]) -> str:
     if rows and all("comm_s" not in r for r in rows):
       parts.append(f"the {variant} does not compile for either target")
   return ("`make bench-aot` (a step of `make bench`) compares `fsdp_scan` with what "
-          "XLA does by itself (a plain scan with XLA's defaults and with its own "
-          "overlap flags) and with the conformance suite's hand-written pipeline on "
-          "jax's own `program_order`, compiled by the real TPU v5e and H100 compilers "
+          "XLA does by itself (XLA's own sharding, `jit` over `NamedSharding`-laid-out "
+          "params, and a plain scan in `shard_map`, each with XLA's defaults and with "
+          "its overlap flags), compiled by the real TPU v5e and H100 compilers "
           "ahead of time and read by the inspector (modelled; "
           f"`{meta['command'].strip()}`, {meta['date'][:10]}): " + "; ".join(parts)
           + ". The tables and why are in [bench-vs-xla.md](bench-vs-xla.md); "
