@@ -18,7 +18,7 @@ NO_LHS = str(FIXTURES / "gpu_prefetch_no_lhs.txt")
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 
 COLLECTIVE_FIELDS = [
-    "kind", "start", "done", "computation", "where", "leaf", "thread", "link",
+    "kind", "start", "done", "computation", "where", "leaf", "step", "thread", "link",
     "queued_behind", "async",
     "made_blocking", "bytes", "bytes_in_flight", "group_size", "overlapped",
     "spans_iteration",

@@ -14,7 +14,7 @@ from typing import Any
 
 from jax_overlap._src.inspection.reading import lexing
 from jax_overlap._src.inspection.reading.hlo_module import HloInstruction, HloModule
-from jax_overlap._src.patterns.leaf_scope import leaf_from_op_name
+from jax_overlap._src.patterns.leaf_scope import leaf_from_op_name, step_from_op_name
 
 _IOTA_GROUPS = re.compile(r"\[([\d,\s]+)\]<=\[[\d,\s]+\](T\([\d,\s]+\))?")
 _MESH_GROUPS = re.compile(r"mesh\[(.*)\]\s*\{(.*)\}")
@@ -91,11 +91,29 @@ def op_name(instr: HloInstruction) -> str:
 def leaf(instr: HloInstruction) -> str | None:
   """What a pattern's collective moves (e.g. "['w1']"), from the
   `jax_overlap.leaf=` scope in its op_name; None when it does not say."""
+  name = _unquoted_op_name(instr)
+  return None if name is None else leaf_in(name)
+
+
+def step(instr: HloInstruction) -> str | None:
+  """The plan step a pattern started this collective in (e.g. "2: layer 1
+  forward"), from the `jax_overlap.step=` scope in its op_name; None when it
+  does not say."""
+  name = _unquoted_op_name(instr)
+  return None if name is None else step_in(name)
+
+
+def step_in(op_name: str) -> str | None:
+  """The innermost `jax_overlap.step=` label in `op_name`, read as `leaf_in`
+  reads leaves (inside transformations' parentheses too)."""
+  return step_from_op_name(_without_transforms(op_name))
+
+
+def _unquoted_op_name(instr: HloInstruction) -> str | None:
   try:
-    name = lexing.unquote(f'"{op_name(instr)}"')
+    return lexing.unquote(f'"{op_name(instr)}"')
   except ValueError:
     return None
-  return leaf_in(name)
 
 
 _TRANSFORMS = re.compile(r"^(?:[\w.\-]+\()+")
@@ -108,6 +126,12 @@ def leaf_in(op_name: str) -> str | None:
   `transpose(jvp(jax_overlap.leaf=()))` there, so each scope loses its
   leading `name(` and the `)`s that close them (the leaf's own brackets,
   as in "()", stay balanced). Pinned by tests/integration/real_clients_report_test.py."""
+  return leaf_from_op_name(_without_transforms(op_name))
+
+
+def _without_transforms(op_name: str) -> str:
+  """`op_name` with each scope's transformation wrappers (`jvp(`, `transpose(`
+  and their closing `)`s) taken off."""
   scopes = []
   for scope in op_name.split("/"):
     scope = _TRANSFORMS.sub("", scope)
@@ -115,7 +139,7 @@ def leaf_in(op_name: str) -> str | None:
     while depth < 0 and scope.endswith(")"):
       scope, depth = scope[:-1], depth + 1
     scopes.append(scope)
-  return leaf_from_op_name("/".join(scopes))
+  return "/".join(scopes)
 
 
 def source_location(instr: HloInstruction,

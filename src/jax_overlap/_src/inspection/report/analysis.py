@@ -111,7 +111,8 @@ def _collective(pair, schedule, timeline, several_threads,
       kind=pair.kind, start=pair.start.name,
       done=pair.done.name if pair.done else None,
       computation=pair.computation,
-      where=attrs.source_location(pair.start, schedule.module), leaf=attrs.leaf(pair.start),
+      where=attrs.source_location(pair.start, schedule.module),
+      leaf=attrs.leaf(pair.start), step=attrs.step(pair.start),
       thread=pair.thread, link=totals.link if totals else "",
       queued_behind=list(queued),
       is_async=pair.is_async, made_blocking=pair.made_blocking,
@@ -157,7 +158,7 @@ def _written(window: WrittenWindow, model: CostModel) -> WrittenRecord:
     flags.append("done() not found")
   return WrittenRecord(
       collective=window.collective, kind=window.kind,
-      where=window.where or None, leaf=window.leaf,
+      where=window.where or None, leaf=window.leaf, step=window.step,
       bytes=window.bytes, group_size=window.group_size,
       overlapped=list(window.overlapped), loop=window.loop, comm_s=comm,
       compute_s=compute, exposed_s=max(0.0, comm - compute), flags=flags)

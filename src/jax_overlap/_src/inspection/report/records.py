@@ -29,6 +29,7 @@ class CollectiveRecord(_Record):
   computation: str
   where: str | None
   leaf: str | None
+  step: str | None
   thread: str
   link: str
   queued_behind: list[str]
@@ -81,6 +82,7 @@ class WrittenRecord(_Record):
   kind: str
   where: str | None
   leaf: str | None
+  step: str | None
   bytes: float
   group_size: int | None
   overlapped: list[str]
@@ -92,7 +94,8 @@ class WrittenRecord(_Record):
 
 
 _COLLECTIVE_FIELDS = (
-    "kind", "start", "done", "computation", "where", "leaf", "thread", "link",
+    "kind", "start", "done", "computation", "where", "leaf", "step", "thread",
+    "link",
     "queued_behind", "async",
     "made_blocking", "bytes", "bytes_in_flight", "group_size", "overlapped",
     "spans_iteration",

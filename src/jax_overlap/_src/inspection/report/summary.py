@@ -110,6 +110,8 @@ def _collective_lines(rank: int, index: int, c) -> list[str]:
   where = f"at {short_path(c.where)}" if c.where else "source line unknown"
   leaf = f"leaf {c.leaf}" if c.leaf else "leaf unknown"
   tail = f"     {where}; {leaf}"
+  if c.step:
+    tail += f"; plan step {c.step}"
   if c.flags:
     tail += "; " + "; ".join(c.flags)
   return [head, tail]

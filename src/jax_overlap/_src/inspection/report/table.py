@@ -52,9 +52,11 @@ def _kind(record) -> str:
 
 
 def _origin(record) -> str:
-  """The user's source line and the leaf it moves, each or 'unknown'."""
+  """The user's source line and the leaf it moves, each or 'unknown', and the
+  plan step it is in flight across where a pattern's plan names one."""
   return (f"{record.where or 'source unknown'}\n"
-          f"{('leaf ' + record.leaf) if record.leaf else 'leaf unknown'}")
+          f"{('leaf ' + record.leaf) if record.leaf else 'leaf unknown'}"
+          + (f"\nplan step {record.step}" if record.step else ""))
 
 
 def _runs(runs: float) -> str:

@@ -21,7 +21,7 @@ from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p)
 from jax_overlap._src.inspection.traced import jaxpr as traced
 from jax_overlap._src.inspection.traced.jaxpr import HLO_KIND
-from jax_overlap._src.inspection.reading.attributes import leaf_in
+from jax_overlap._src.inspection.reading.attributes import leaf_in, step_in
 
 #: Primitives counted as compute in a written window.
 COMPUTE_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"}
@@ -42,6 +42,7 @@ class WrittenWindow:
   bytes: float
   group_size: int | None
   leaf: str | None = None
+  step: str | None = None
   overlapped: list[str] = dataclasses.field(default_factory=list)
   costs: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   loop: str | None = None
@@ -165,7 +166,7 @@ class _Walker:
         collective=comm.name, kind=HLO_KIND.get(comm.name, comm.name),
         where=comm.state.where, bytes=traced.aval_bytes(out),
         group_size=traced.comm_group_size(comm, axis_sizes),
-        leaf=leaf_in(scopes), loop=loop)
+        leaf=leaf_in(scopes), step=step_in(scopes), loop=loop)
     self.windows.append(window)
     self.open.setdefault(id(comm.state), []).append(window)
     self.key[id(window)] = id(comm.state)

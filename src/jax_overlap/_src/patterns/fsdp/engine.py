@@ -38,6 +38,7 @@ from jax_overlap._src.patterns.fsdp.one_layer import (Splits, layer_at,
                                                       layer_forward)
 from jax_overlap._src.patterns.fsdp.plan import backward_signature, runs
 from jax_overlap._src.patterns.fsdp.stack_ends import NO_ENDS, saved_of
+from jax_overlap._src.patterns.leaf_scope import in_step
 from jax_overlap._src.patterns.varying import vary_over
 
 
@@ -84,20 +85,25 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       reduced = None
     return out, ([got] if shards else []) + more, scattered, reduced
 
-  def loop(body, carry, steps, descending=False):
+  def loop(body, carry, steps, descending=False, named=None):
     """`body` over `steps` (consecutive layers): one `lax.scan` where the plan
-    loops over them, else one call each. Returns the carry and the pieces
-    of what the bodies saved: `(first layer, last + 1, saved, stacked)`."""
+    loops over them, else one call each, each inside its steps' `in_step`
+    scope (the report names them; `named`: the plan's steps, where `steps`
+    were changed from them). Returns the carry and the pieces of what the
+    bodies saved: `(first layer, last + 1, saved, stacked)`."""
+    pass_ = "backward" if descending else "forward"
     if not steps[0].loop:
       pieces = []
-      for s in steps:
-        carry, saved = body(carry, s.layer)
+      for s, as_planned in zip(steps, named or steps):
+        with in_step(step_label(pass_, [as_planned])):
+          carry, saved = body(carry, s.layer)
         pieces.append((s.layer, s.layer + 1, saved, False))
       return carry, pieces
     layers = [s.layer for s in steps]
     index = jnp.arange(layers[0], layers[-1] + (-1 if descending else 1),
                        -1 if descending else 1)
-    carry, saved = _scan_remainder_first(body, carry, index, unroll)
+    with in_step(step_label(pass_, steps)):
+      carry, saved = _scan_remainder_first(body, carry, index, unroll)
     return carry, [(min(layers), max(layers) + 1, saved, True)]
 
   # --- forward ---------------------------------------------------------------------
@@ -116,15 +122,18 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     pieces = []   # (first layer, last layer + 1, (saved, kept), stacked)
     first = None
     if entry.split:   # before and layer 0 in one block (use_order.py)
-      first = use_order.forward_first(
-          transfer, run_layer, lambda: ends.enter_compute(x_run, save),
-          layer_at(params_, 0), layer_at(params_, 1))
+      with in_step(step_label("forward", [entry])):
+        first = use_order.forward_first(
+            transfer, run_layer, lambda: ends.enter_compute(x_run, save),
+            layer_at(params_, 0), layer_at(params_, 1))
     if first is not None:
       x, saved0, entered, w1 = first
       carry = (x, (w1,))
       pieces.append((0, 1, (saved0, None), False))
     else:
-      x, w0, entered = ends.enter(transfer, x_run, layer_at(params_, 0), save)
+      with in_step(step_label("forward", [entry])):
+        x, w0, entered = ends.enter(transfer, x_run, layer_at(params_, 0),
+                                    save)
       carry = (x, (w0,))
       if entry.split:   # one group only: layer 0 loops with the others
         steps = [entry._replace(gathers=entry.gathers[1:], split=False,
@@ -200,9 +209,10 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     entry = plan.backward[0] if plan.backward[0] is not steps[0] else None
     regather_last = entry is not None and bool(entry.gathers)
     # after's backward with the last layer's regather in flight
-    y_bar, w, after_bar = ends.leave_back(
-        transfer, ends_saved, out_bar,
-        layer_at(params_, n - 1) if regather_last else None)
+    with in_step(step_label("backward", [plan.backward[0]])):
+      y_bar, w, after_bar = ends.leave_back(
+          transfer, ends_saved, out_bar,
+          layer_at(params_, n - 1) if regather_last else None)
     split = steps[-1] if steps[-1].split else None
     if split is not None:
       steps = steps[:-1]
@@ -256,12 +266,14 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     last = None
     if split is not None:   # layer 0's gradients reduce-scattered by use
       w0 = saved_at(0, 1) if split.weights == "kept" else buf[0]
-      last = use_order.backward_first(
-          transfer, backward, saved_at(0, 0), w0, x_bar, pend[0],
-          lambda x0: ends.back_compute(ends_saved, x0))
+      with in_step(step_label("backward", [split])):
+        last = use_order.backward_first(
+            transfer, backward, saved_at(0, 0), w0, x_bar, pend[0],
+            lambda x0: ends.back_compute(ends_saved, x0))
       if last is None:   # one group only: layer 0 runs as its own step
         carry, _ = loop(body_of((), split.weights == "kept", 1, piece_of(0)),
-                        carry, [split._replace(split=False)])
+                        carry, [split._replace(split=False)], descending=True,
+                        named=[split])
         x_bar, _, pend, grads = carry
     if last is not None:
       (bars, x0), g0, g1 = last
@@ -271,8 +283,9 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       if plan.stages == 2 and len(pend) == 2:
         grads = put(grads, transfer.reduce_now(pend[1]), 1)
       # layer 0's reduce-scatter behind before's backward (or at once)
-      x_bar, g0 = ends.enter_back(transfer, ends_saved, after_bar, x_bar,
-                                  pend[0])
+      with in_step(step_label("backward", [plan.backward[-1]])):
+        x_bar, g0 = ends.enter_back(transfer, ends_saved, after_bar, x_bar,
+                                    pend[0])
       grads = put(grads, g0, 0)
     return x_bar, jax.tree.map(
         lambda G, p_: G if differentiable(p_) else float0_zeros(p_), grads,
@@ -280,6 +293,15 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
 
   run_.defvjp(run_fwd, run_bwd)
   return run_(x, params)
+
+
+def step_label(pass_: str, steps) -> str:
+  """How the report names the plan steps `steps` of `pass_` (one traced body
+  may run several: a loop's), in `fsdp_plan`'s own words, e.g. "forward:
+  layer 1 to layer 3 (one loop)" (tests/inspection/plan_step_test.py)."""
+  if len(steps) == 1:
+    return f"{pass_}: {steps[0].says()}"
+  return f"{pass_}: {steps[0].says()} to {steps[-1].says()} (one loop)"
 
 
 def _zeros(aval):
