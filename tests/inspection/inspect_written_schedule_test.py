@@ -203,15 +203,15 @@ def test_fsdp_step_exposes_only_what_has_nothing_to_hide_behind(fsdp_reports):
 
 
 def test_fsdp_loops_run_their_trip_count(fsdp_reports):
-  # The forward pass prefetches layers 1..L-1: with unroll=2 and L-1 odd, the
-  # one prefetch that does not fill a loop trip runs first, in a scan of its
-  # own of length 1 (fsdp_scan's _scan_remainder_first), the loop the other
-  # L-2; the backward scan runs the layers L-2..1. Each body's collectives
-  # run that many times.
+  # One layer a loop iteration (fsdp_scan's default unroll), layer 0 whole
+  # (the fixture), the last layer folded into the loops (fsdp_plan's
+  # `again`): the forward loop runs layers 0..L-1, L trips, the backward loop
+  # layers L-1..1, L-1 trips (layer 0's backward runs apart). Each body's
+  # collectives run that many times.
   for layers, report in fsdp_reports.items():
     looped = [c for c in report.collectives if c.loop is not None]
     assert sorted({(c.runs, c.trip_count) for c in looped}) == [
-        (1, 1), (layers - 2, layers - 2)]
+        (layers - 1, layers - 1), (layers, layers)]
     assert all(c.computation.endswith("_body") for c in looped)
   # 4 more layers: 4 * 3 more transfers (one bucket each), each as long as
   # any other.

@@ -121,9 +121,10 @@ def _check(p, kw):
   assert bwd[-1].split == (split and not hsdp)
   assert p.fence_inputs == (not default_shape)
   # the last layer in the loops where the default schedule runs in shard_map
-  # with one stage: its forward step regathers it (the kept copy), its
-  # backward step reduce-scatters zeros; neither in gathers / scatters
-  fold = kw["futures"] and default_shape and k == 1 and not hsdp and n >= 2
+  # with one stage and a loop of middle layers to join (3 layers or more):
+  # its forward step regathers it (the kept copy), its backward step
+  # reduce-scatters zeros; neither in gathers / scatters
+  fold = kw["futures"] and default_shape and k == 1 and not hsdp and n >= 3
   again = [s for s in p.steps if s.again]
   assert [(s.compute, s.layer) for s in again] == (
       [("layer", n - 1), ("layer_back", n - 1)] if fold else [])

@@ -300,8 +300,10 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
                  "beside x; its cotangent flows back through the carry.")
   fence = not default_shape
   # The last layer in the loops (Step.again): the default schedule, inside
-  # shard_map, one stage, the last layer kept.
-  fold = futures and default_shape and kept == 1 and stages == 1 and n >= 2
+  # shard_map, one stage, the last layer kept, and a loop of middle layers
+  # for it to join (with two layers it would run alone either way, and its
+  # zero reduce-scatter would only cost; tests/aot/tpu_forms_compiled_test.py).
+  fold = futures and default_shape and kept == 1 and stages == 1 and n >= 3
   if fold:
     notes.append(f"layer {n - 1} runs in the loops: its forward step gathers "
                  "it again (the copy the backward pass keeps), its backward "
