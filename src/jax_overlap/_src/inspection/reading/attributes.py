@@ -96,9 +96,9 @@ def leaf(instr: HloInstruction) -> str | None:
 
 
 def step(instr: HloInstruction) -> str | None:
-  """The plan step a pattern started this collective in (e.g. "2: layer 1
-  forward"), from the `jax_overlap.step=` scope in its op_name; None when it
-  does not say."""
+  """The plan step a pattern started this collective in (e.g. "forward:
+  layer 1 to layer 3 (one loop)"), from the `jax_overlap.step=` scope in its
+  op_name; None when it does not say."""
   name = _unquoted_op_name(instr)
   return None if name is None else step_in(name)
 

@@ -165,10 +165,12 @@ def _each_pair(table, step: int, before, run, state):
 def _free(fn, state):
   """`fn(state)` as one free block (`program_order(enforce=False)`): the
   forward's blocks of one step are a unit between the rotation's start and
-  done, fenced as a whole rather than operation by operation (at p = 8 the
-  gradient's barriers fall from 3,284 to 1,883). The backward keeps every
-  operation fenced: there free blocks let the TPU compiler hold more at once
-  (v5e temp at 32K 110 -> 197-242 MiB, benchmarks/bench_attention.py)."""
+  done, fenced as a whole rather than operation by operation (far fewer
+  barriers to lower and compile; the window is what must hold,
+  tests/aot/attention_compiled_test.py). The backward keeps every operation
+  fenced: free blocks there let the TPU compiler hold more scores at once,
+  above the all-gather form's temp bytes (docs/attention.md gives the
+  figures, benchmarks/bench_attention.py measures them)."""
   return program_order(enforce=False)(fn)(state)
 
 
