@@ -260,3 +260,44 @@ ENTRY %main (a: f32[24,256,256], b: f32[1,256,256], i: s32[]) -> f32[24,256,256]
     _, nbytes = shape_costs(entry.by_name[name], entry, module)
     # the update read and the slice written (and the scalar indices)
     assert 2 * slice_bytes <= nbytes < 2 * slice_bytes + 64, (name, nbytes)
+
+
+def test_sliced_operand_reads_only_its_slices():
+  # A ring takes one block of a gathered buffer a step (and a scan one layer
+  # of its stacked weights): costing the whole buffer read charged the
+  # collective matmul rings 8 times their blocks' bytes a step.
+  module = parse_hlo_text('''HloModule m, is_scheduled=true
+%fused (p0: f32[8,256,256], p1: s32[]) -> f32[1,256,256] {
+  %p0 = f32[8,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %s = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,256,256}
+  ROOT %n = f32[1,256,256]{2,1,0} negate(%s)
+}
+%fused_both (q0: f32[8,256,256], q1: s32[]) -> (f32[1,256,256], f32[8,256,256]) {
+  %q0 = f32[8,256,256]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %s = f32[1,256,256]{2,1,0} dynamic-slice(%q0, %q1, %z, %z), dynamic_slice_sizes={1,256,256}
+  %e = f32[8,256,256]{2,1,0} exponential(%q0)
+  ROOT %t = (f32[1,256,256]{2,1,0}, f32[8,256,256]{2,1,0}) tuple(%s, %e)
+}
+ENTRY %main (a: f32[8,256,256], i: s32[]) -> f32[1,256,256] {
+  %a = f32[8,256,256]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %d = f32[1,256,256]{2,1,0} dynamic-slice(%a, %i, %z, %z), dynamic_slice_sizes={1,256,256}
+  %c = f32[2,256,256]{2,1,0} slice(%a), slice={[0:2], [0:256], [0:256]}
+  %f = f32[1,256,256]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused
+  %g = (f32[1,256,256]{2,1,0}, f32[8,256,256]{2,1,0}) fusion(%a, %i), kind=kLoop, calls=%fused_both
+  ROOT %r = f32[1,256,256]{2,1,0} add(%d, %f)
+}''')
+  entry = module.entry
+  block = 256 * 256 * 4
+  for name, moved in (("d", 2 * block), ("c", 4 * block), ("f", 2 * block)):
+    _, nbytes = shape_costs(entry.by_name[name], entry, module)
+    # the slice read and written (and the scalar indices)
+    assert moved <= nbytes < moved + 64, (name, nbytes)
+  # A parameter also read whole (the exponential) is read whole.
+  _, nbytes = shape_costs(entry.by_name["g"], entry, module)
+  assert nbytes >= 8 * block + 9 * block, nbytes

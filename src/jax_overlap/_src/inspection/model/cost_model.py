@@ -16,7 +16,12 @@ a live compile (`xla_cost.py`), else `shape_costs` here:
   tuple of them, updating a fusion parameter) moves only the slice it writes:
   the buffer it updates is neither read nor written whole. A scan stacking
   its residuals does one such update a step, and costing the whole buffer
-  made the modelled compute grow with the square of the trip count.
+  made the modelled compute grow with the square of the trip count;
+* likewise an operand that is only sliced (`slice`, `dynamic-slice`, or a
+  fusion parameter whose every use is one) is read only as much as its
+  slices: a ring taking one block of a gathered buffer a step, or a scan
+  reading one layer of stacked weights, reads that block, not the buffer
+  (XLA's own cost analysis counts a dynamic-slice the same way).
 
 A collective over a group of n devices moving B bytes (its result) over a
 link of bandwidth W (one direction) with latency a takes, on a ring:
@@ -115,7 +120,32 @@ def shape_costs(instr: HloInstruction, comp: HloComputation,
     out = out.elements[0]  # the rest is workspace
   nbytes = sum(s.bytes for s in operands) + out.bytes
   nbytes -= _in_place_savings(instr, comp, module)
+  nbytes -= _sliced_read_savings(instr, comp, module)
   return _flops(instr, comp, module, operands), nbytes
+
+
+_SLICES = frozenset({"slice", "dynamic-slice"})
+
+
+def _sliced_read_savings(instr, comp, module) -> float:
+  """The bytes `shape_costs` counted for operands read whole that are only
+  sliced: each such operand's size less what its slices read."""
+  if instr.opcode in _SLICES:
+    source = comp.by_name.get(instr.operands[0]) if instr.operands else None
+    return 0.0 if source is None else max(0.0, source.shape.bytes - instr.shape.bytes)
+  if instr.opcode != "fusion" or not instr.callees("calls"):
+    return 0.0
+  inner = module.computations.get(instr.callees("calls")[0])
+  if inner is None:
+    return 0.0
+  users = inner.users()
+  saved = 0.0
+  for param in inner.parameters:
+    uses = users.get(param.name, [])
+    if uses and all(user.opcode in _SLICES and k == 0 for user, k in uses):
+      read = sum(user.shape.bytes for user, _ in uses)
+      saved += max(0.0, param.shape.bytes - read)
+  return saved
 
 
 def _in_place_savings(instr, comp, module) -> float:
