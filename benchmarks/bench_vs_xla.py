@@ -723,7 +723,9 @@ def main() -> int:
     flagged = [v for v in opts.variants if v.endswith("XLA flags")]
     if len(opts.targets) != 1 or flagged:
       parser.error(f"--compile-time takes one target (got {opts.targets}) and no "
-                   f"variant with XLA flags (got {flagged}): run one target at a time")
+                   f"variant with XLA flags (got {flagged}): give one --targets and "
+                   "--variants without the flagged ones (their LIBTPU_INIT_ARGS are "
+                   "read once a process)")
     for k, v in _child_env(opts.targets[0], "").items():
       os.environ.setdefault(k, v)
     compile_times(opts.targets[0], opts.variants, opts.layers, opts.compile_time)
