@@ -265,6 +265,48 @@ def child(target: str, variants: list[str], layers: list[int], out_dir: str) -> 
 
 
 
+def compile_times(target: str, variants: list[str], layers: list[int],
+                  rounds: int) -> None:
+  """Compile time only, the variants alternated in one process (`--compile-time`):
+  each round compiles every variant at each depth, the order reversed every other
+  round; prints one line per compile: wall seconds and the process's CPU seconds
+  (all its threads; on a shared machine the steadier of the two), then each
+  variant's median CPU ratio to the plain scan's and XLA sharding's."""
+  import statistics  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from jax_overlap._src.demo import model  # noqa: PLC0415
+  mesh, s, cpu = _mesh(target), SHAPES, {}
+  for r in range(rounds):
+    for n in layers:
+      cfg = model.Config(vocab=s["vocab"], d=s["d"], heads=s["heads"],
+                         hidden=s["hidden"], layers=n, seq=s["seq"])
+      shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
+      specs = model.specs(shapes, AXIS)
+      params = jax.tree.map(
+          lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                             sharding=NamedSharding(mesh, sp)),
+          shapes, specs)
+      tokens = jax.ShapeDtypeStruct((s["batch_per_device"] * 8, cfg.seq), jnp.int32,
+                                    sharding=NamedSharding(mesh, P(AXIS)))
+      for variant in (variants if r % 2 == 0 else variants[::-1]):
+        lowered = jax.jit(_step(variant, cfg, mesh, specs)).lower(params, tokens, tokens)
+        t0, c0 = time.perf_counter(), time.process_time()
+        lowered.compile(compiler_options=_compile_options(target, variant))
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
+        cpu.setdefault((n, variant), []).append(used)
+        print(f"round {r}, {n} blocks, {variant}: compile {wall:.1f} s wall, "
+              f"{used:.1f} s CPU (load {os.getloadavg()[0]:.1f})", flush=True)
+  for n in layers:
+    med = {v: statistics.median(cpu[n, v]) for v in variants}
+    for v in variants:
+      ratios = ", ".join(f"{med[v] / med[b]:.2f}x {b}'s" for b in
+                         ("plain scan", "XLA sharding") if b in med and b != v)
+      print(f"{TARGETS[target][4]}, {n} blocks, {v}: median {med[v]:.1f} s CPU"
+            + (f" ({ratios})" if ratios else ""), flush=True)
+
+
 # --- the parent: one process per compile, then the library's inspector ---------------
 
 def _child_env(target: str, variant: str) -> dict:
@@ -323,6 +365,26 @@ def async_fusion_chains(text: str) -> int:
              and " fusion(" in line)
 
 
+#: A device's share of the link bytes of one collective over n devices with a
+#: result of b bytes (a ring's: what each device sends).
+_LINK_SHARE = {"all-gather": lambda b, n: b * (n - 1) / n,
+               "reduce-scatter": lambda b, n: b * (n - 1),
+               "all-to-all": lambda b, n: b * (n - 1) / n,
+               "all-reduce": lambda b, n: 2 * b * (n - 1) / n}
+
+
+def link_bytes(collectives) -> float:
+  """Bytes a device sends in one step: each collective's ring share (its
+  result's bytes, `bytes`, times `_LINK_SHARE`; a permute sends its result),
+  times its runs a step."""
+  total = 0.0
+  for c in collectives:
+    n = c.group_size or 1
+    share = _LINK_SHARE.get(c.kind, lambda b, n: b)(c.bytes, n) if n > 1 else 0.0
+    total += share * (c.runs or 1)
+  return total
+
+
 def inspect_one(rec: dict) -> None:
   """Adds the library inspector's modelled figures to `rec` (public API:
   `OverlapReport.from_hlo`, what `jax-overlap inspect FILE --json` prints)."""
@@ -335,6 +397,7 @@ def inspect_one(rec: dict) -> None:
   rec.update(comm_s=t["comm_s"], exposed_s=t["exposed_s"],
              bound_exposed_s=t["bound_exposed_s"], compute_s=report.compute_s,
              step_s=report.step_s, collectives=len(report.collectives),
+             link_bytes=link_bytes(report.collectives),
              read_async=sum(bool(c.is_async) for c in report.collectives),
              read_blocking=sum(bool(c.made_blocking) for c in report.collectives),
              unknown_trip=sum(c.loop is not None and c.trip_count is None
@@ -519,6 +582,10 @@ def targets_checked(records: list[dict], reading: dict[str, str]) -> list[dict]:
   return rows
 
 
+def _mib(b) -> str:
+  return "-" if b is None else f"{b / 2**20:,.0f} MiB"
+
+
 def _gib(b) -> str:
   return "?" if b is None else f"{b / 2**30:.2f} GiB"
 
@@ -555,34 +622,41 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
     for n in sorted({r["layers"] for r in records if r["target"] == target}):
       out += ["", f"### {TARGETS[target][4]}, {n} blocks (modelled)", "",
               "| version | step (us) | exposed (us) | communication (us) | bound (us) "
-              "| (exposed - bound) / comm | compute (us) | in flight | compile (s) "
-              "| compile / XLA sharding | temp | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| (exposed - bound) / comm | compute (us) | sent a device | in flight "
+              "| compile (s) | compile / XLA sharding | temp | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
       for r in records:
         if (r["target"], r["layers"]) != (target, n):
           continue
         base = (_find(records, target, n, "XLA sharding")
                 or _find(records, target, n, "plain scan"))
+        # (no ratio between a record read again and one kept from an earlier run)
         ratio = ("-" if "compile_s" not in r or base is None or "compile_s" not in base
+                 or bool(r.get("not_reread")) != bool(base.get("not_reread"))
                  else f"{r['compile_s'] / base['compile_s']:.2f}")
         if "comm_s" in r:
           share = ((r["exposed_s"] - r["bound_exposed_s"]) / r["comm_s"]
                    if r["comm_s"] else 0)
           cells = [_us(r.get("step_s")), _us(r["exposed_s"]), _us(r["comm_s"]),
                    _us(r["bound_exposed_s"]), f"{share:.1%}", _us(r["compute_s"]),
-                   str(r.get("in_flight", "?")), f"{r['compile_s']:.1f}", ratio,
+                   _mib(r.get("link_bytes")), str(r.get("in_flight", "?")), f"{r['compile_s']:.1f}", ratio,
                    _gib(r.get("temp_bytes")),
-                   f"{r['collectives']} collectives, {r['read_async']} read async"]
+                   f"{r['collectives']} collectives, {r['read_async']} read async"
+                   + (" (its module gone: as its own run read it)"
+                      if r.get("not_reread") else "")]
         else:
           err = r["error"].replace("|", "\\|").replace("\n", " ")
-          cells = ["-"] * 10 + [f"**failed**: {err}"]
+          cells = ["-"] * 11 + [f"**failed**: {err}"]
         out.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
   out += ["", "Step is the inspector's modelled step time (`OverlapReport.step_s`, "
           "the length of its timeline: the main stream's compute and what the "
           "collectives expose); compute is the sum over every stream, so where XLA "
           "runs compute on another stream (GPU async `fusion-start`s) it can exceed "
           "the step. In flight counts the collectives read as async with some compute "
-          "scheduled beside them."]
+          "scheduled beside them. Sent a device: the bytes one device sends in a step, "
+          "each collective's ring share of its result (all-gather and all-to-all "
+          "(n-1)/n of it, reduce-scatter n-1 times it, all-reduce 2(n-1)/n), times its "
+          "runs a step (from the module: the dtype the compiler gave each transfer)."]
   out += ["", "Compute is the inspector's modelled compute of the whole step, every "
           "instruction costed from its shapes (unfused roofline; an in-place "
           "`dynamic-update-slice` moves only its slice since 2026-12-01: before, a "
@@ -640,7 +714,22 @@ def main() -> int:
                       "--keep-hlo kept (its bench-vs-xla.json; several runs' are "
                       "merged, the later replacing the earlier), e.g. after the "
                       "inspector changed")
+  parser.add_argument("--compile-time", metavar="ROUNDS", type=int,
+                      help="compile only, in this process, the variants alternated "
+                      "ROUNDS times (one target; not the variants whose flags go in "
+                      "LIBTPU_INIT_ARGS): wall and CPU seconds and ratios, no tables")
   opts = parser.parse_args()
+  if opts.compile_time:
+    flagged = [v for v in opts.variants if v.endswith("XLA flags")]
+    if len(opts.targets) != 1 or flagged:
+      parser.error(f"--compile-time takes one target (got {opts.targets}) and no "
+                   f"variant with XLA flags (got {flagged}): give one --targets and "
+                   "--variants without the flagged ones (their LIBTPU_INIT_ARGS are "
+                   "read once a process)")
+    for k, v in _child_env(opts.targets[0], "").items():
+      os.environ.setdefault(k, v)
+    compile_times(opts.targets[0], opts.variants, opts.layers, opts.compile_time)
+    return 0
   if opts.reinspect:
     return reinspect([pathlib.Path(p) for p in opts.reinspect], pathlib.Path(opts.out))
   started = time.perf_counter()
@@ -687,7 +776,7 @@ def main() -> int:
   return 0
 
 
-INSPECTED = ("comm_s", "exposed_s", "bound_exposed_s", "compute_s", "step_s",
+INSPECTED = ("comm_s", "exposed_s", "bound_exposed_s", "compute_s", "step_s", "link_bytes",
              "collectives", "read_async", "in_flight", "read_blocking", "unknown_trip",
              "async_fusion_chains", "chains_read_async")
 
@@ -695,7 +784,8 @@ INSPECTED = ("comm_s", "exposed_s", "bound_exposed_s", "compute_s", "step_s",
 def reinspect(paths: list[pathlib.Path], out: pathlib.Path) -> int:
   """Reads again the modules of one or more runs' JSON (kept with --keep-hlo);
   a later file's record of a (target, blocks, version) replaces an earlier
-  one's, and the commands of all are named."""
+  one's, and the commands of all are named. A record whose module is gone
+  keeps the figures its run read (the table says so)."""
   runs = [json.loads(path.read_text()) for path in paths]
   data = runs[0]
   merged = {}
@@ -704,15 +794,20 @@ def reinspect(paths: list[pathlib.Path], out: pathlib.Path) -> int:
       merged[r["target"], r["layers"], r["variant"]] = r
   records = sorted(merged.values(), key=lambda r: (
       list(TARGETS).index(r["target"]), r["layers"], VARIANTS.index(r["variant"])))
-  if len(runs) > 1:
+  if len(runs) > 1:   # every run's commands (a merged file's own runs kept)
     data["meta"]["runs"] = [
-        {k: run["meta"][k] for k in ("command", "date", "wall_s")}
-        | {"jobs": run["meta"].get("jobs", 1)} for run in runs]
+        entry for run in runs for entry in (run["meta"].get("runs") or [
+            {k: run["meta"][k] for k in ("command", "date", "wall_s")}
+            | {"jobs": run["meta"].get("jobs", 1)}])]
   for r in records:
-    for k in INSPECTED:
-      r.pop(k, None)
     if "hlo" in r and not pathlib.Path(r["hlo"]).exists():
+      if "comm_s" in r:   # its figures as that run read them
+        r["not_reread"] = r.pop("hlo")
+        continue
       r["error"] = f"its module {r.pop('hlo')} is gone: rerun the compiles"
+    if "hlo" in r:
+      for k in INSPECTED:
+        r.pop(k, None)
     inspect_one(r)
   reading = inspector_reading(records)
   for target, line in sorted(reading.items()):
