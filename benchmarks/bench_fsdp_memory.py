@@ -11,7 +11,8 @@ layer, a batch of 16), prints the compiled gradient step's
   (c) the same with the layer checkpointed under a policy that saves
       everything but the gather (weights rematerialized, activations saved);
   (d) the same with the layer checkpointed, nothing saved but its input;
-  and fsdp_scan with unroll 1 and 2, without and with `remat_policy`.
+  and fsdp_scan with its default (`unroll=None`: one layer a loop iteration)
+  and unroll=2, and the default with `remat_policy`.
 
   python benchmarks/bench_fsdp_memory.py [--layers 8 16]
 
@@ -93,10 +94,10 @@ def losses(mesh, specs):
           jax.checkpoint(gathered, policy=_not_the_gather)),
       "(d) plain scan, layer checkpointed, nothing saved": plain(
           jax.checkpoint(gathered, policy=nothing)),
-      "fsdp_scan, unroll=1": ours(unroll=1),
-      "fsdp_scan, unroll=2 (default)": ours(),
-      "fsdp_scan, unroll=1, remat_policy=nothing_saveable": ours(
-          unroll=1, remat_policy=nothing),
+      "fsdp_scan, unroll=None (default: 1 layer an iteration)": ours(),
+      "fsdp_scan, unroll=2": ours(unroll=2),
+      "fsdp_scan, unroll=None, remat_policy=nothing_saveable": ours(
+          remat_policy=nothing),
   }
 
 

@@ -61,8 +61,14 @@ OLDER_JAX_SUBSET = (
     "test_fsdp_scan_on_an_explicit_mesh",
 )
 OLDER_JAX_TARGETS = ("tpu_v5e", "gpu_h100")
+#: and A100's backward: its spec has the latency-hiding scheduler off, which
+#: the library turns on for modules with loops and plain futures
+#: (ordering/compile_options.py; without it 10 of the 12 gathers, jax 0.10.2).
+OLDER_JAX_EXTRA = (
+    "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100]",)
 pytestmark = pytest.mark.newest_jax(older_jax=[
-    f"{test}[*{target}]" for test in OLDER_JAX_SUBSET for target in OLDER_JAX_TARGETS])
+    f"{test}[*{target}]" for test in OLDER_JAX_SUBSET
+    for target in OLDER_JAX_TARGETS] + list(OLDER_JAX_EXTRA))
 
 #: jax 0.10.2 / 0.11.0 with their plugins (libtpu 0.0.42.1 / 0.0.44.1,
 #: jax-cuda12-plugin of the same version): the StableHLO async_start/async_done
@@ -638,7 +644,8 @@ def test_fsdp_scan_has_ys_keeps_the_windows(name):
         scatters
 
 
-@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_h100_2x8"])
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p", "gpu_h100", "gpu_a100",
+                                  "gpu_h100_2x8"])
 def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
   text, warned = _compile(name, "fsdp", True)
   gathers = _gathers(text, name)

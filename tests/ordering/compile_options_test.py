@@ -325,3 +325,25 @@ def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
       compile_options.GPU_OVERLAP_LIMIT: ties,
       compile_options.GPU_LATENCY_HIDING: True}
   assert compile_options._options_for(cpu, "cpu", {}) == {}
+
+
+@pytest.mark.skipif(not _compat.IN_FLIGHT_LEFT_UNFENCED,
+                    reason="jax 0.12 lowers a future as its async pair, not "
+                    "as the plain collective XLA places itself")
+def test_gpu_plain_futures_get_the_latency_hiding_scheduler_only_with_a_loop():
+  # jax < 0.12: the A100 spec has XLA's latency-hiding scheduler off; its
+  # memory scheduler kept all_gather_matmul's straight-line permutes in
+  # flight (7 of 7, which the latency-hiding scheduler made 0 of 7) but put
+  # fsdp_scan's first steps' starts next to their dones once the layers ran
+  # in loops (tests/aot/real_compilers_test.py, the A100 backward).
+  def looped(x):
+    def body(x, _):
+      return _two_gathers(x)[: x.shape[0]] * 0.5, None
+    return jax.lax.scan(body, x, None, length=2)[0]
+  straight = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
+  loop = _lowered(looped, "cuda", jnp.ones(8)).compiler_ir()
+  lhs = compile_options.GPU_LATENCY_HIDING
+  assert lhs not in compile_options._options_for(straight, "cuda", {})
+  assert compile_options._options_for(loop, "cuda", {})[lhs] is True
+  assert compile_options._options_for(loop, "cuda", {lhs: False}).get(lhs) is None
+  assert lhs not in compile_options._options_for(loop, "cpu", {})

@@ -307,7 +307,8 @@ def test_memory_grows_by_activations_only():
   import bench_fsdp_memory as bench
   names = ["(a) plain scan, gather saved",
            "(c) plain scan, layer checkpointed, all but the gather saved",
-           "fsdp_scan, unroll=1", "fsdp_scan, unroll=2 (default)"]
+           "fsdp_scan, unroll=None (default: 1 layer an iteration)",
+           "fsdp_scan, unroll=2"]
   by_depth = {}
   for n in (8, 16):
     mesh, x, params, specs = bench.setup(n)

@@ -63,7 +63,9 @@ A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
 ties (two a step), as if each were a start: a backward step has the
 partitioner's gather and reduce-scatter in flight at once. It also gets
 `xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
-tied collectives; the A100 spec has it off).
+tied collectives; the A100 spec has it off), and so does a GPU module that
+holds a loop and a future's plain collective (jax < 0.12, quirks.py
+"gpu-plain-future"), whose start and done XLA places itself.
 
 Other modules compile exactly as XLA would
 (tests/ordering/compile_options_test.py; the real compilers' checks are in
@@ -184,6 +186,14 @@ def _options_for(computation, platform: str, user_options, *,
     # step starts layer 0's and layer 1's gathers together: one gather, done
     # before the first matmul); each stays the future it was written as.
     wanted.update({k: 1 for k in GPU_COMBINE_THRESHOLDS})
+    if _holds_a_loop(computation):
+      # With the latency-hiding scheduler off (the A100 spec) the memory
+      # scheduler places each plain start: it closed fsdp_scan's windows
+      # outside its loops, while in straight-line modules it keeps windows
+      # the latency-hiding scheduler would close (all_gather_matmul's).
+      # Pinned by real_compilers_test.py::
+      # test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100].
+      wanted[GPU_LATENCY_HIDING] = True
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
     # their step's compute; a target that has it off (the A100 spec) runs
@@ -197,10 +207,21 @@ def _holds_plain_futures(computation) -> bool:
   (`_compat.IN_FLIGHT_ATTR`, jax < 0.12)."""
   if not _compat.IN_FLIGHT_LEFT_UNFENCED:
     return False
+  return _holds(computation, lambda op: _compat.IN_FLIGHT_ATTR in op.attributes)
+
+
+def _holds_a_loop(computation) -> bool:
+  """Whether the module holds a `stablehlo.while`."""
+  return _holds(computation, lambda op: op.name == "stablehlo.while")
+
+
+def _holds(computation, match) -> bool:
+  """Whether an op of the MLIR module satisfies `match` (False for anything
+  that is not an MLIR module)."""
   found = []
 
   def visit(op):
-    if _compat.IN_FLIGHT_ATTR in op.attributes:
+    if match(op):
       found.append(op)
       return ir.WalkResult.INTERRUPT
     return ir.WalkResult.ADVANCE
