@@ -52,6 +52,14 @@ TABLE = (
           "all_gather_start and psum_scatter_start are N-1 collective-permute "
           "futures: v5p compiles every all-gather synchronous",
           "tests/aot/tpu_forms_compiled_test.py"),
+    Quirk("tpu-plain-permute-gathers", "tpu", _kinds("TPU v5 lite"), "libtpu",
+          ("0.0.42.1", "0.0.44.1"),
+          "on jax < 0.12 (tpu-plain-future) all_gather_start is N-1 "
+          "collective-permutes, as tpu-permute-forms: libtpu there turns "
+          "small plain all-gathers into all-reduces of dynamic-update-slices "
+          "and combines them into one synchronous all-reduce",
+          "tests/aot/real_compilers_test.py::"
+          "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one"),
     Quirk("tpu-sync-all-gather", "tpu", _kinds("TPU v5"), "libtpu",
           ("0.0.52", "0.0.52"),
           "an all_gather_start with no permute form gets its all-to-all "
@@ -83,7 +91,8 @@ TABLE = (
           "refuses the async region ('vhlo.async_start_v1'), and XLA's own "
           "async conversion puts the written work in the window; such "
           "modules get XLA's collective combiners off (threshold 1 byte): "
-          "they merged fsdp_scan's first two layers' gathers into one",
+          "they merged fsdp_scan's first two layers' gathers into one; and "
+          "the latency-hiding scheduler on (the A100 spec has it off)",
           "tests/aot/real_compilers_test.py::"
           "test_future_is_an_async_pair_around_the_matmul"),
     Quirk("tpu-plain-future", "tpu", None, "libtpu", ("0.0.42.1", "0.0.44.1"),

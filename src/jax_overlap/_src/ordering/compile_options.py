@@ -184,6 +184,11 @@ def _options_for(computation, platform: str, user_options, *,
     # step starts layer 0's and layer 1's gathers together: one gather, done
     # before the first matmul); each stays the future it was written as.
     wanted.update({k: 1 for k in GPU_COMBINE_THRESHOLDS})
+    # ... and XLA's latency-hiding scheduler, which moves the work written
+    # between a start and its done into the window XLA's async conversion
+    # opens (a target that has it off, the A100 spec, left psum_start's
+    # window without its matmul and some of fsdp_scan's gathers exposed).
+    wanted[GPU_LATENCY_HIDING] = True
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
     # their step's compute; a target that has it off (the A100 spec) runs
