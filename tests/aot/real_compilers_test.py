@@ -434,11 +434,13 @@ def test_a_small_gather_over_two_axes_is_async_or_said(name):
 
 
 #: (jax, target, future) -> why its pair has nothing in its window there
-#: (measured; not looked into yet).
+#: (measured).
 EMPTY_WINDOW_OLDER = {
     ("0.11.0", "gpu_h100", "psum"): (
         "jax 0.11.0's H100 compiler makes psum_start's plain all-reduce "
-        "async with nothing in its window (0.10.2: the matmul inside)"),
+        "async with the matmul scheduled before its start (0.10.2: the "
+        "matmul inside); xla_gpu_enable_analytical_latency_estimator=true "
+        "puts it inside but empties other windows (docs/compilers.md)"),
 }
 
 
@@ -625,12 +627,14 @@ def test_the_async_pair_still_crashes_libtpu(kind):
 #: compiles, checks what it can, and xfails with this reason while short.
 SHORT_TODAY: dict = {}
 if OLDER:
-  # jax < 0.12: the explicit mesh's moves are reshards on TPU (a future cannot
-  # reach the plugin there: OLDER_JAX_PLUGIN_GAP), left to XLA.
+  # jax < 0.12: the explicit mesh's moves are reshards on TPU, left to XLA
+  # (the futures form there, plain collectives started in one shard_map and
+  # read in the next, overlapped little: docs/compilers.md).
   SHORT_TODAY["explicit", "tpu_v5e"] = (
       f"fsdp_scan on an Explicit mesh with jax {jax.__version__}: the moves are "
-      "jax.reshard (futures need jax 0.12 for TPU), and TPU v5e compiles every "
-      "gather synchronous at these sizes; open (issue 16)")
+      "jax.reshard (the futures form overlaps little there: 0 of 42 forward "
+      "permutes), and TPU v5e compiles every gather synchronous at these "
+      "sizes; open (issue 16)")
 
 
 #: jax < 0.12 (quirks "gpu-plain-future" / "tpu-plain-future"): (test,

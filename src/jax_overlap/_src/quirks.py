@@ -38,6 +38,11 @@ def _kinds(*names):
   return frozenset(names)
 
 
+#: libtpu 0.0.42.1 / 0.0.44.1 turn a plain all-gather of a shard under this
+#: many bytes into a synchronous all-reduce (row "tpu-plain-permute-gathers";
+#: measured on v5e: 256 bytes sync, 512 async).
+SMALL_PLAIN_TPU_GATHER_BYTES = 512
+
 # "TPU v5 lite" is v5e, "TPU v5" is v5p (their device_kind strings).
 TABLE = (
     Quirk("tpu-collective-forms", "tpu", None, "libtpu", ("0.0.42.1", "0.0.52"),
@@ -56,8 +61,10 @@ TABLE = (
           ("0.0.42.1", "0.0.44.1"),
           "on jax < 0.12 (tpu-plain-future) all_gather_start is N-1 "
           "collective-permutes, as tpu-permute-forms: libtpu there turns "
-          "small plain all-gathers into all-reduces of dynamic-update-slices "
-          "and combines them into one synchronous all-reduce",
+          "small plain all-gathers (SMALL_PLAIN_TPU_GATHER_BYTES) into "
+          "all-reduces of dynamic-update-slices and combines them into one "
+          "synchronous all-reduce; psum_start keeps its copies form where "
+          "its ring's all-gather half would be that small",
           "tests/aot/real_compilers_test.py::"
           "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one"),
     Quirk("tpu-sync-all-gather", "tpu", _kinds("TPU v5"), "libtpu",

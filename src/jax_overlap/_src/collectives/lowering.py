@@ -147,24 +147,18 @@ _TPU_KEEPS_SYNC = {
 }
 
 
-#: A plain all-gather whose shard has fewer bytes than this, libtpu
-#: (0.0.42.1, 0.0.44.1) turns into a synchronous all-reduce (quirk
-#: "tpu-plain-permute-gathers"; on v5e the future is then its permute form,
-#: where that applies): said once (tests/aot/real_compilers_test.py::
-#: test_a_small_gather_over_two_axes_is_async_or_said).
-_TPU_SMALL_GATHER_BYTES = 512
-
-
 def _mark_in_flight(ctx, op, comm: Comm) -> None:
   op.attributes[_compat.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
   name = _ASYNC_NAME[op.name]
   shard = comm.in_aval
   if name == "all-gather" and "tpu" in _platforms(ctx) and \
-      shard.size * shard.dtype.itemsize < _TPU_SMALL_GATHER_BYTES:
+      shard.size * shard.dtype.itemsize < quirks.SMALL_PLAIN_TPU_GATHER_BYTES:
+    # Said once (tests/aot/real_compilers_test.py::
+    # test_a_small_gather_over_two_axes_is_async_or_said).
     not_async.warn_once("tpu:small-plain-all-gather", (
         f"all_gather_start on tpu: on jax {jax.__version__} the future is "
         f"the plain all-gather, and libtpu there turns one of a shard under "
-        f"{_TPU_SMALL_GATHER_BYTES} bytes (this one: "
+        f"{quirks.SMALL_PLAIN_TPU_GATHER_BYTES} bytes (this one: "
         f"{shard.size * shard.dtype.itemsize}) into a synchronous all-reduce: "
         "nothing in flight between start and done(). On TPU v5e a gather "
         "over one mesh axis inside jax.shard_map is N-1 permutes instead, "
