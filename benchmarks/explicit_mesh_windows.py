@@ -1,25 +1,24 @@
 """fsdp_scan on an explicit mesh: which moves the real compilers overlap, with
-and without the step ties (src/jax_overlap/_src/patterns/fsdp/explicit_ties.py).
+and without the GPU step ties (src/jax_overlap/_src/ordering/gpu_ties.py).
 
 A diagnostic, not part of `make bench`: it compiles (ahead of time, nothing
 runs) fsdp_scan's forward and value_and_grad on an Explicit mesh (4 layers of
 2 weights, width W) for each target, once with the ties where the library
 puts them (GPU) and once with them forced on every platform or off
 (`--ties gpu|all|none`), and prints per kind: async pairs with a matmul in
-flight / async pairs / synchronous ones. TPU's own async collectives (the
-`async-collective-start` fusions of its collective fusion pass) are paired by
-name here, as tests/aot/schedule.py does not pair them.
+flight / async pairs (each as many times as it runs: a loop body's once a
+layer) / synchronous ones. On TPU with jax 0.12 the moves are futures
+(patterns/fsdp/explicit_futures.py): v5e's gathers are all-gather pairs and
+its reduce-scatters all-to-all forms, v5p's both N-1 collective-permutes.
+TPU's own async collectives (the `async-collective-start` fusions of its
+collective fusion pass) are paired by name here, as tests/aot/schedule.py
+does not pair them.
 
     PYTHONPATH=$PWD/src JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 \\
       .venv-aot/bin/python benchmarks/explicit_mesh_windows.py --width 16 128 \\
-      --ties gpu none all --targets gpu_h100 gpu_a100 tpu_v5e
+      --ties gpu none all --targets gpu_h100 gpu_a100 tpu_v5e tpu_v5p
 
-Measured with jax 0.12.0.1, libtpu 0.0.52, jax-cuda12-plugin 0.12.0.1
-(2026-12-01), value_and_grad, gathers / reduce-scatters with a matmul:
-H100 ties 6 / 3 (no ties: one combined synchronous all-gather before the
-loop); TPU v5e width 16: none async either way; width 128: no ties 12
-gathers, ties 7 (the reduce-scatters are synchronous all-reduce-scatter
-fusions either way).
+The counts measured are in docs/compilers.md (`fsdp_scan` on an explicit mesh).
 """
 
 from __future__ import annotations
@@ -40,9 +39,10 @@ from compilers import arg, compiled_text, target  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_overlap  # noqa: E402
-from jax_overlap._src.patterns.fsdp import explicit_ties  # noqa: E402
+from jax_overlap._src.ordering import gpu_ties as explicit_ties  # noqa: E402
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+         "collective-permute")
 
 
 def program(t, grad, width, layers=4):
@@ -78,7 +78,9 @@ def _tpu_pairs(text):
 def counts(text):
   out = {}
   for kind in KINDS:
-    windows = [w for w in schedule.windows(text) if w.kind == kind]
+    # Each window as many times as it runs (a loop body's once a layer).
+    windows = schedule.runs(text, [w for w in schedule.windows(text)
+                                   if w.kind == kind])
     sync = sum(i.opcode == kind for comp in schedule.scheduled(text).values()
                for i in comp)
     out[kind] = [sum(w.matmuls >= 1 for w in windows), len(windows), sync]

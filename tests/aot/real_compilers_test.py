@@ -59,13 +59,18 @@ OLDER_JAX_SUBSET = (
     "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one",
     "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters",
     "test_fsdp_scan_on_an_explicit_mesh",
+    "test_a_small_gather_over_two_axes_is_async_or_said",
+    "test_collective_matmul_sends_behind_block_matmuls",
 )
 OLDER_JAX_TARGETS = ("tpu_v5e", "gpu_h100")
-#: and A100's backward: its spec has the latency-hiding scheduler off, which
-#: the library turns on for modules with loops and plain futures
-#: (ordering/compile_options.py; without it 10 of the 12 gathers, jax 0.10.2).
+#: and A100's cells that hang on the latency-hiding scheduler: its spec has it
+#: off, and the library turns it on for plain-future modules with a loop or a
+#: psum_start, not for all_gather_matmul's straight-line permutes
+#: (ordering/compile_options.py).
 OLDER_JAX_EXTRA = (
-    "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100]",)
+    "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100]",
+    "test_future_is_an_async_pair_around_the_matmul[psum-gpu_a100]",
+    "test_collective_matmul_sends_behind_block_matmuls[forward-all_gather_matmul-gpu_a100]")
 pytestmark = pytest.mark.newest_jax(older_jax=[
     f"{test}[*{target}]" for test in OLDER_JAX_SUBSET
     for target in OLDER_JAX_TARGETS] + list(OLDER_JAX_EXTRA))
@@ -267,6 +272,29 @@ def dp_tp_program(t, overlapped):
                   for shape, spec in zip(shapes, specs))
 
 
+def two_axes_gather_program(t, rows):
+  """future_program's all_gather_start over both axes of a (2, n / 2) mesh
+  (no permute form: that takes one axis), `rows` x 16 f32 a device."""
+  import numpy as np  # noqa: PLC0415
+  mesh = Mesh(np.array(t.mesh.devices).reshape(2, t.n // 2), ("a", "b"))
+
+  @program_order(enforce=True)
+  def body(x, w):
+    future = jax_overlap.all_gather_start(x, ("a", "b"), tiled=True)
+    y = jnp.tanh(w @ w)
+    return future.done(), y
+
+  def f(x, w):
+    a, y = body(x, w)
+    return (a.sum() + y.sum())[None]
+  spec = P(("a", "b"))
+  fn = jax.shard_map(f, mesh=mesh, in_specs=(spec, P()), out_specs=spec)
+  return fn, (jax.ShapeDtypeStruct((rows * t.n, 16), jnp.float32,
+                                   sharding=NamedSharding(mesh, spec)),
+              jax.ShapeDtypeStruct((128, 128), jnp.float32,
+                                   sharding=NamedSharding(mesh, P())))
+
+
 def _use_mesh(mesh):
   return (jax.set_mesh(mesh) if hasattr(jax, "set_mesh")
           else jax.sharding.use_mesh(mesh))
@@ -285,7 +313,7 @@ def _compile(name, case, *extra):
 PROGRAMS = {"future": future_program, "fsdp": fsdp_program,
             "fsdp_explicit": fsdp_explicit_program, "dp_tp": dp_tp_program,
             "collective_matmul": collective_matmul_program,
-            "fsdp_ends": fsdp_ends_program}
+            "fsdp_ends": fsdp_ends_program, "two_axes_gather": two_axes_gather_program}
 EXPLICIT_PROGRAMS = {"fsdp_explicit"}
 
 
@@ -349,6 +377,12 @@ _TPU_FORM_KIND = {"psum": "all-to-all", "psum_scatter": "all-to-all",
 _V5P_FORM_KIND = dict(_TPU_FORM_KIND, all_gather="collective-permute",
                       psum_scatter="collective-permute")
 _PERMUTE_FORMS = ("all_gather", "psum_scatter")
+
+
+def _permute_form(name, kind) -> bool:
+  """Whether future `kind` is N-1 permutes on `name` (`permute_gathers`)."""
+  return kind in _PERMUTE_FORMS and (
+      name == "tpu_v5p" or (kind == "all_gather" and permute_gathers(name)))
 _HLO_KIND = {"all_gather": "all-gather", "psum": "all-reduce",
              "psum_scatter": "reduce-scatter", "all_to_all": "all-to-all",
              "ppermute": "collective-permute",
@@ -377,7 +411,7 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
     platform = "tpu" if name.startswith("tpu") else "cuda"
     assert any(f"{kind}_start on {platform}" in m for m in warned), warned
     return
-  if name == "tpu_v5p" and kind in _PERMUTE_FORMS:
+  if _permute_form(name, kind):
     # One future of N-1 permutes, every one with the matmul in flight.
     futures = schedule.permute_futures(text)
     assert [len(f.parts) for f in futures] == [target(name).n - 1], futures
@@ -391,28 +425,54 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
   assert not warned, warned
 
 
+@pytest.mark.parametrize("name", ["tpu_v5e"])
+def test_a_small_gather_over_two_axes_is_async_or_said(name):
+  # jax < 0.12: the future is the plain all-gather, which libtpu 0.0.42.1 /
+  # 0.0.44.1 turns into a synchronous all-reduce below 512 bytes a shard
+  # (measured: 256 bytes sync, 512 async); the library says so once
+  # (collectives/lowering.py). jax 0.12: an async pair at either size.
+  for rows, small in ((2, True), (8, False)):
+    text, warned = _compile(name, "two_axes_gather", rows)
+    gathers = _async(text, "all-gather")
+    said = any("synchronous all-reduce" in m for m in warned)
+    if OLDER and small:
+      assert not gathers and said, (gathers, warned)
+    else:
+      assert len(gathers) == 1 and gathers[0].matmuls >= 1, schedule.windows(text)
+      assert not said, warned
+
+
 #: (jax, target, future) -> why its pair has nothing in its window there
-#: (measured; not looked into yet).
+#: (measured).
 EMPTY_WINDOW_OLDER = {
     ("0.11.0", "gpu_h100", "psum"): (
         "jax 0.11.0's H100 compiler makes psum_start's plain all-reduce "
-        "async with nothing in its window (0.10.2: the matmul inside)"),
+        "async with the matmul scheduled before its start (0.10.2: the "
+        "matmul inside); xla_gpu_enable_analytical_latency_estimator=true "
+        "puts it inside but empties other windows (docs/compilers.md)"),
 }
 
 
+def permute_gathers(name) -> bool:
+  """Whether `name`'s all-gather futures are N-1 permutes: v5p (quirk
+  "tpu-permute-forms"), and v5e on jax < 0.12 ("tpu-plain-permute-gathers")."""
+  return name == "tpu_v5p" or (OLDER and name == "tpu_v5e")
+
+
 def _gathers(text, name):
-  """The windows of the all-gather futures: on v5p (jax 0.12) each is one
-  `schedule.Composed` of permutes, with the matmuls all its parts have in
-  flight. Each as many times as it runs (`_runs`)."""
-  if name == "tpu_v5p" and not OLDER:
+  """The windows of the all-gather futures: where they are permutes
+  (`permute_gathers`) each is one `schedule.Composed` of permutes, with the
+  matmuls all its parts have in flight. Each as many times as it runs
+  (`_runs`)."""
+  if permute_gathers(name):
     return schedule.runs(text, [f for f in schedule.permute_futures(text)
                                 if f.is_gather])
   return _runs(text, "all-gather")
 
 
 def _scatters(text, name):
-  """As `_gathers`, for the reduce-scatter futures."""
-  if name == "tpu_v5p" and not OLDER:
+  """As `_gathers`, for the reduce-scatter futures (permutes on v5p)."""
+  if name == "tpu_v5p":
     return schedule.runs(text, [f for f in schedule.permute_futures(text)
                                 if not f.is_gather])
   return _runs(text, "reduce-scatter")
@@ -576,12 +636,14 @@ def test_the_async_pair_still_crashes_libtpu(kind):
 #: compiles, checks what it can, and xfails with this reason while short.
 SHORT_TODAY: dict = {}
 if OLDER:
-  # jax < 0.12: the explicit mesh's moves are reshards on TPU (a future cannot
-  # reach the plugin there: OLDER_JAX_PLUGIN_GAP), left to XLA.
+  # jax < 0.12: the explicit mesh's moves are reshards on TPU, left to XLA
+  # (the futures form there, plain collectives started in one shard_map and
+  # read in the next, overlapped little: docs/compilers.md).
   SHORT_TODAY["explicit", "tpu_v5e"] = (
       f"fsdp_scan on an Explicit mesh with jax {jax.__version__}: the moves are "
-      "jax.reshard (futures need jax 0.12 for TPU), and TPU v5e compiles every "
-      "gather synchronous at these sizes; open (issue 16)")
+      "jax.reshard (the futures form overlaps little there: 0 of 42 forward "
+      "permutes), and TPU v5e compiles every gather synchronous at these "
+      "sizes; open (issue 16)")
 
 
 #: jax < 0.12 (quirks "gpu-plain-future" / "tpu-plain-future"): (test,
@@ -590,14 +652,18 @@ if OLDER:
 #: when it reaches what jax 0.12 gives (drop the entry then).
 OLDER_IN_FLIGHT: dict = {}
 if OLDER:
-  _V5E = ("libtpu turns these 32-float flat gathers into all-reduces of "
-          "dynamic-update-slices and combines them into one synchronous "
-          "all-reduce (at width 128: forward 4 gathers, all in flight; "
-          "value_and_grad 7 gathers and 5 of 8 reduce-scatters, libtpu "
-          "0.0.42.1)")
   OLDER_IN_FLIGHT.update({
-      ("forward", "tpu_v5e"): (0, _V5E),
-      ("backward", "tpu_v5e"): (0, _V5E),
+      ("all_gather_matmul backward", "tpu_v5e"): (12, (
+          "the dx ring paced (patterns/collective_matmul.py; unpaced: 9); "
+          "libtpu 0.0.42.1 / 0.0.44.1 leave 2 of the x ring's sends, "
+          "interleaved with the dx ring's, with no block matmul")),
+      ("all_gather_matmul forward", "gpu_h100"): (0, (
+          "at 8 x 16 rows a device XLA's scheduler puts each step's block "
+          "matmul before its send's start (nothing but the operand places a "
+          "plain start), with its analytical speed-of-light estimator: "
+          "7/7 with xla_gpu_enable_analytical_sol_latency_estimator=false, "
+          "which empties psum_start's window on jax 0.10.2 instead, and "
+          "7/7 at 512 x 1024 rows a device")),
   })
 
 
@@ -909,15 +975,21 @@ def _collective_matmul_cases():
       for grad in (False,) if name == "gpu_h100_2x8" else (False, True):
         yield pytest.param(name, which, grad, id=(
             f"{'backward' if grad else 'forward'}-{which}-{name}"))
+  # A100 (latency-hiding scheduler off in its spec): all_gather_matmul's
+  # forward, whose permutes on jax < 0.12 hang on that scheduler staying off
+  # (ordering/compile_options.py).
+  yield pytest.param("gpu_a100", "all_gather_matmul", False,
+                     id="forward-all_gather_matmul-gpu_a100")
 
 
-@needs_pairs
 @pytest.mark.parametrize("name,which,grad", list(_collective_matmul_cases()))
 def test_collective_matmul_sends_behind_block_matmuls(name, which, grad):
-  text, warned = _compiled(name, "collective_matmul", which, grad)
+  text, warned = _compile(name, "collective_matmul", which, grad)
   permutes = _async(text, "collective-permute")
   n = target(name).n
   assert len(permutes) >= n - 1, schedule.windows(text)
+  _short(f"{which} {'backward' if grad else 'forward'}", name,
+         sum(w.matmuls >= 1 for w in permutes), len(permutes))
   if ((name, which, grad) in PERMUTES_SHORT
       and not all(w.matmuls >= 1 for w in permutes)):
     pytest.xfail(PERMUTES_SHORT[name, which, grad])

@@ -87,9 +87,10 @@ def _said(warned) -> str:
 
 def _hlo_kind(rt, name, kind):
   """What the future compiles to on `name`: its TPU form is an all-to-all."""
+  if rt._permute_form(name, kind):
+    return "collective-permute"
   if name.startswith("tpu"):
-    forms = rt._V5P_FORM_KIND if name == "tpu_v5p" else rt._TPU_FORM_KIND
-    return forms.get(kind, rt._HLO_KIND[kind])
+    return rt._TPU_FORM_KIND.get(kind, rt._HLO_KIND[kind])
   return rt._HLO_KIND[kind]
 
 
@@ -113,15 +114,10 @@ def _fsdp_cell(rt, name, text, warned, grad):
   # scatter: its TPU form, an all-to-all). Each counted as many times as it
   # runs (a loop body's once a layer: rt._runs).
   permutes = rt._async(text, "collective-permute")
-  if name == "tpu_v5p" and rt.OLDER and permutes:
-    # jax < 0.12: the permute forms' parts all carry channel 1 (the library
-    # numbers them only in its custom calls), so they are not grouped.
-    return (f"{len(permutes)} permutes, {sum(w.matmuls >= 1 for w in permutes)} "
-            "with a matmul in flight (parts not grouped into futures on jax < 0.12)"
-            + (f", {_said(warned)}" if warned else ""))
-  if name == "tpu_v5p" and not rt.OLDER:
+  if rt.permute_gathers(name) and permutes:
     gathers = rt._gathers(text, name)
-    scatters = rt._scatters(text, name)
+    scatters = (rt._scatters(text, name) if name == "tpu_v5p" else
+                rt._runs(text, _hlo_kind(rt, name, "psum_scatter")))
   elif name == "tpu_v5p":   # jax < 0.12 on an explicit mesh: XLA's reshards
     gathers = rt._async(text, "all-gather")
     scatters = rt._async(text, "reduce-scatter")
@@ -254,7 +250,7 @@ def merge(files) -> str:
             "(all gathers but each pass's first layer's, all reduce-scatters but "
             "the last layer's; k can pass n, because layer 0's weights are gathered in groups cut "
             "at its matmuls, each but the first with one in flight; a loop body's counted once an iteration); on TPU v5e a psum_scatter_start is its TPU form, an all-to-all; "
-            "on v5p the gathers and reduce-scatters are each N-1 permutes, counted as one. Collective matmul, forward / backward: async "
+            "on v5p the gathers and reduce-scatters are each N-1 permutes, counted as one (on v5e with jax < 0.12 the gathers). Collective matmul, forward / backward: async "
             "permutes with a block matmul in the window / all permutes. expert_parallel "
             "(moe_compiled_test.py's block: 2 chunks, 2 experts a device, top-2, capacity 8), forward / "
             "value_and_grad: *k/n*: k all-to-alls with an expert matmul in flight, n wanted "

@@ -64,6 +64,23 @@ def test_module_with_futures_gets_the_limit_and_the_users_option_wins():
   assert compile_options._options_for(module, "cpu", {}) == {}
 
 
+@pytest.mark.skipif(_compat.ASYNC_CUSTOM_CALLS,
+                    reason="jax >= 0.12 lowers a future as an async pair")
+def test_plain_futures_get_the_combiners_off_and_the_scheduler_on():
+  # jax < 0.12: the futures are plain collectives left to XLA's async
+  # conversion (quirk "gpu-plain-future"): for GPU the module gets XLA's
+  # combiners off and its latency-hiding scheduler on (tests/aot/ shows what
+  # each changes on the H100 and A100 compilers; docs/compilers.md).
+  module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
+  assert _compat.async_collective_starts(module) == {"all-gather": 2}
+  assert compile_options._options_for(module, "cuda", {}) == {
+      compile_options.GPU_OVERLAP_LIMIT: 2,
+      compile_options.GPU_LATENCY_HIDING: True,
+      **{k: 1 for k in compile_options.GPU_COMBINE_THRESHOLDS}}
+  cpu = _lowered(_two_gathers, "cpu", jnp.ones(8)).compiler_ir()
+  assert compile_options._options_for(cpu, "cpu", {}) == {}
+
+
 def _two_ppermutes(x):
   perm = [(0, 1), (1, 0)]
 

@@ -38,6 +38,11 @@ def _kinds(*names):
   return frozenset(names)
 
 
+#: libtpu 0.0.42.1 / 0.0.44.1 turn a plain all-gather of a shard under this
+#: many bytes into a synchronous all-reduce (row "tpu-plain-permute-gathers";
+#: measured on v5e: 256 bytes sync, 512 async).
+SMALL_PLAIN_TPU_GATHER_BYTES = 512
+
 # "TPU v5 lite" is v5e, "TPU v5" is v5p (their device_kind strings).
 TABLE = (
     Quirk("tpu-collective-forms", "tpu", None, "libtpu", ("0.0.42.1", "0.0.52"),
@@ -52,6 +57,16 @@ TABLE = (
           "all_gather_start and psum_scatter_start are N-1 collective-permute "
           "futures: v5p compiles every all-gather synchronous",
           "tests/aot/tpu_forms_compiled_test.py"),
+    Quirk("tpu-plain-permute-gathers", "tpu", _kinds("TPU v5 lite"), "libtpu",
+          ("0.0.42.1", "0.0.44.1"),
+          "on jax < 0.12 (tpu-plain-future) all_gather_start is N-1 "
+          "collective-permutes, as tpu-permute-forms: libtpu there turns "
+          "small plain all-gathers (SMALL_PLAIN_TPU_GATHER_BYTES) into "
+          "all-reduces of dynamic-update-slices and combines them into one "
+          "synchronous all-reduce; psum_start keeps its copies form where "
+          "its ring's all-gather half would be that small",
+          "tests/aot/real_compilers_test.py::"
+          "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one"),
     Quirk("tpu-sync-all-gather", "tpu", _kinds("TPU v5"), "libtpu",
           ("0.0.52", "0.0.52"),
           "an all_gather_start with no permute form gets its all-to-all "
@@ -84,11 +99,12 @@ TABLE = (
           "async conversion puts the written work in the window; such "
           "modules get XLA's collective combiners off (threshold 1 byte): "
           "they merged fsdp_scan's first two layers' gathers into one; those "
-          "holding a loop get the latency-hiding scheduler on: A100's spec "
-          "has it off, and its memory scheduler put fsdp_scan's first steps' "
-          "starts next to their dones (in straight-line modules it keeps "
-          "all_gather_matmul's permutes in flight, the latency-hiding "
-          "scheduler does not)",
+          "holding a loop or a psum_start get the latency-hiding scheduler "
+          "on: A100's spec has it off, and its memory scheduler put "
+          "fsdp_scan's first steps' starts next to their dones and "
+          "psum_start's matmul before its start (in straight-line permute "
+          "modules it keeps all_gather_matmul's permutes in flight, the "
+          "latency-hiding scheduler does not)",
           "tests/aot/real_compilers_test.py::"
           "test_future_is_an_async_pair_around_the_matmul"),
     Quirk("tpu-plain-future", "tpu", None, "libtpu", ("0.0.42.1", "0.0.44.1"),

@@ -125,7 +125,7 @@ def _lower_start_here(ctx, x, *aux, comm, split):
     elif _fits_async_region(ctx, op):
       y = _to_async_region_pair(op)
     elif leaves_in_flight(_platforms(ctx)):
-      _mark_in_flight(ctx, op)
+      _mark_in_flight(ctx, op, comm)
   return [y, x]
 
 
@@ -147,9 +147,32 @@ _TPU_KEEPS_SYNC = {
 }
 
 
-def _mark_in_flight(ctx, op) -> None:
+def _mark_in_flight(ctx, op, comm: Comm) -> None:
   op.attributes[_compat.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
   name = _ASYNC_NAME[op.name]
+  shard = comm.in_aval
+  if name == "all-gather" and "tpu" in _platforms(ctx) and \
+      shard.size * shard.dtype.itemsize < quirks.SMALL_PLAIN_TPU_GATHER_BYTES:
+    # Said once (tests/aot/real_compilers_test.py::
+    # test_a_small_gather_over_two_axes_is_async_or_said).
+    not_async.warn_once("tpu:small-plain-all-gather", (
+        f"all_gather_start on tpu: on jax {jax.__version__} the future is "
+        f"the plain all-gather, and libtpu there turns one of a shard under "
+        f"{quirks.SMALL_PLAIN_TPU_GATHER_BYTES} bytes (this one: "
+        f"{shard.size * shard.dtype.itemsize}) into a synchronous all-reduce: "
+        "nothing in flight between start and done(). On TPU v5e a gather "
+        "over one mesh axis inside jax.shard_map is N-1 permutes instead, "
+        "which stay async; jax >= 0.12 has an async all-gather pair. "
+        "Silence with warnings.filterwarnings('ignore', "
+        "category=jax_overlap.CollectiveNotAsyncWarning)."))
+  if name == "collective-permute" and "tpu" in _platforms(ctx) and \
+      "channel_handle" in op.attributes:
+    # A channel of its own, numbered in turn as the custom-call pairs'
+    # (`_async_config`): jax gives every collective channel 1, and the
+    # parts of a permute form are then one future's only by their
+    # channels (tests/aot/schedule.py::permute_futures groups them so).
+    op.attributes["channel_handle"] = hlo.ChannelHandle.get(
+        int(ctx.module_context.new_channel()), 1)
   if "tpu" in _platforms(ctx) and name in _TPU_KEEPS_SYNC:
     op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
     not_async.warn_future_lowered_sync("tpu", name, (
@@ -203,7 +226,7 @@ def _lower_form_start(ctx, x, comm, *, split):
   if _fits_async_region(ctx, op):
     return _to_async_region_pair(op)
   if leaves_in_flight(_platforms(ctx)):
-    _mark_in_flight(ctx, op)
+    _mark_in_flight(ctx, op, comm)
   return buf
 
 

@@ -1,5 +1,6 @@
-"""`all_gather_start` and `psum_scatter_start` on TPU v5p, as
-collective-permutes in flight at once.
+"""`all_gather_start` and `psum_scatter_start` on TPU v5p (and
+`all_gather_start` on v5e with jax < 0.12), as collective-permutes in flight
+at once.
 
 On v5p the TPU compiler compiles every all-gather synchronously, crashes on
 an async reduce-scatter, and aborts on a module holding several of the
@@ -24,6 +25,12 @@ does with a ppermute (autodiff, vmap, program_order, the compile options)
 holds for its parts. Values match `jax.lax` up to the order of the sum
 (each chunk is summed on one device only, so no two devices can disagree):
 tests/collectives/permute_forms_test.py checks values and gradients on CPU with `FORCE`.
+
+On v5e with jax < 0.12 (quirks.py, "tpu-plain-permute-gathers") the
+all-gather future is otherwise its plain collective (collectives/lowering.py),
+which libtpu there turns, at fsdp_scan's small sizes, into one synchronous
+all-reduce; the permutes stay async (tests/aot/real_compilers_test.py,
+`-k "fsdp and tpu_v5e"`, in the older aot venvs).
 
 On the real compiler each part is an async pair around the matmul written
 before `done()`, and fsdp_scan's gathers and reduce-scatters are in flight
@@ -64,12 +71,16 @@ FORCE = False
 
 
 def wanted(name: str) -> bool:
-  """Whether a future of collective `name` started now is made of permutes."""
+  """Whether a future of collective `name` started now is made of permutes
+  (quirks "tpu-permute-forms", "tpu-plain-permute-gathers")."""
   if name not in COLLECTIVES:
     return False
   if FORCE:
     return True
   platform, kind = _compat.trace_device()
+  if name == "all_gather" and _compat.IN_FLIGHT_LEFT_UNFENCED and \
+      quirks.applies("tpu-plain-permute-gathers", platform, kind):
+    return True
   return quirks.applies("tpu-permute-forms", platform, kind)
 
 

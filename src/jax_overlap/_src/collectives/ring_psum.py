@@ -26,7 +26,9 @@ would be a synchronous collective the user is told about, and the copies
 form keeps the whole sum in flight. So do buffers where the padded ring
 would send no fewer bytes than the copies, 2 ceil(S / N) >= S elements of S:
 a scalar, two elements, any buffer over two devices (one collective, not
-two; tests/aot/fsdp_settings_compiled_test.py's HSDP replicas).
+two; tests/aot/fsdp_settings_compiled_test.py's HSDP replicas); and, with
+jax < 0.12 on v5e, buffers whose chunk libtpu would gather synchronously
+(`_small_plain_gather`).
 
 Values: each chunk is summed on one device, so every device gets the same
 value; it matches `jax.lax.psum` up to the order of the sum
@@ -82,6 +84,8 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
   if not jnp.issubdtype(x.dtype, jnp.number) or \
       2 * -(-x.size // n) >= x.size:
     return None   # the ring (padded) would send no fewer bytes than the copies
+  if _small_plain_gather(-(-x.size // n) * x.dtype.itemsize):
+    return None   # its all-gather half would be synchronous: the copies
   out_aval = jax.eval_shape(lambda v: jax.lax.psum(v, axis), x)
   flat = x.reshape(-1)
   padded = -(-flat.size // n) * n
@@ -102,6 +106,19 @@ def _gathered(axis, shape, gather_start, kept, parts):
 def gather_invariant(chunk, axis):
   """`jax.lax.all_gather(chunk, axis, tiled=True)`, typed as `psum`'s result."""
   return _compat.all_gather_invariant(chunk, axis)
+
+
+def _small_plain_gather(chunk_bytes: int) -> bool:
+  """Whether the all-gather half, a plain collective (jax < 0.12), is small
+  enough that libtpu makes it a synchronous all-reduce (quirk
+  "tpu-plain-permute-gathers"): the copies form keeps the whole sum in
+  flight instead (tests/aot/real_compilers_test.py::
+  test_future_is_an_async_pair_around_the_matmul, psum on v5e, older jax)."""
+  if not _compat.IN_FLIGHT_LEFT_UNFENCED or tpu_forms.FORCE:
+    return False
+  platform, kind = _compat.trace_device()
+  return (chunk_bytes < quirks.SMALL_PLAIN_TPU_GATHER_BYTES
+          and quirks.applies("tpu-plain-permute-gathers", platform, kind))
 
 
 def _gather_is_sync() -> bool:

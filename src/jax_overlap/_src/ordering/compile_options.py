@@ -186,13 +186,15 @@ def _options_for(computation, platform: str, user_options, *,
     # step starts layer 0's and layer 1's gathers together: one gather, done
     # before the first matmul); each stays the future it was written as.
     wanted.update({k: 1 for k in GPU_COMBINE_THRESHOLDS})
-    if _holds_a_loop(computation):
+    if _holds_a_loop(computation) or _holds_plain_all_reduce(computation):
       # With the latency-hiding scheduler off (the A100 spec) the memory
       # scheduler places each plain start: it closed fsdp_scan's windows
-      # outside its loops, while in straight-line modules it keeps windows
-      # the latency-hiding scheduler would close (all_gather_matmul's).
+      # outside its loops and psum_start's window before its matmul, while in
+      # straight-line permute modules it keeps windows the latency-hiding
+      # scheduler would close (all_gather_matmul's forward).
       # Pinned by real_compilers_test.py::
-      # test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100].
+      # test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100]
+      # and test_future_is_an_async_pair_around_the_matmul[psum-gpu_a100].
       wanted[GPU_LATENCY_HIDING] = True
   if ties:
     # XLA's latency-hiding scheduler places the tied collectives around
@@ -208,6 +210,12 @@ def _holds_plain_futures(computation) -> bool:
   if not _compat.IN_FLIGHT_LEFT_UNFENCED:
     return False
   return _holds(computation, lambda op: _compat.IN_FLIGHT_ATTR in op.attributes)
+
+
+def _holds_plain_all_reduce(computation) -> bool:
+  """Whether the module holds a `psum_start`'s plain all-reduce (jax < 0.12)."""
+  return _holds(computation, lambda op: op.name == "stablehlo.all_reduce"
+                and _compat.IN_FLIGHT_ATTR in op.attributes)
 
 
 def _holds_a_loop(computation) -> bool:
