@@ -66,16 +66,15 @@ def test_module_with_futures_gets_the_limit_and_the_users_option_wins():
 
 @pytest.mark.skipif(_compat.ASYNC_CUSTOM_CALLS,
                     reason="jax >= 0.12 lowers a future as an async pair")
-def test_plain_futures_get_the_combiners_off_and_the_scheduler_on():
+def test_plain_futures_get_the_combiners_off():
   # jax < 0.12: the futures are plain collectives left to XLA's async
   # conversion (quirk "gpu-plain-future"): for GPU the module gets XLA's
-  # combiners off and its latency-hiding scheduler on (tests/aot/ shows what
-  # each changes on the H100 and A100 compilers; docs/compilers.md).
+  # combiners off (tests/aot/ shows what it changes on the H100 and A100
+  # compilers; docs/compilers.md).
   module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
   assert _compat.async_collective_starts(module) == {"all-gather": 2}
   assert compile_options._options_for(module, "cuda", {}) == {
       compile_options.GPU_OVERLAP_LIMIT: 2,
-      compile_options.GPU_LATENCY_HIDING: True,
       **{k: 1 for k in compile_options.GPU_COMBINE_THRESHOLDS}}
   cpu = _lowered(_two_gathers, "cpu", jnp.ones(8)).compiler_ir()
   assert compile_options._options_for(cpu, "cpu", {}) == {}
@@ -347,12 +346,22 @@ def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
 @pytest.mark.skipif(not _compat.IN_FLIGHT_LEFT_UNFENCED,
                     reason="jax 0.12 lowers a future as its async pair, not "
                     "as the plain collective XLA places itself")
-def test_gpu_plain_futures_get_the_latency_hiding_scheduler_only_with_a_loop():
+def test_gpu_plain_futures_get_the_latency_hiding_scheduler_with_a_loop_or_psum():
   # jax < 0.12: the A100 spec has XLA's latency-hiding scheduler off; its
   # memory scheduler kept all_gather_matmul's straight-line permutes in
   # flight (7 of 7, which the latency-hiding scheduler made 0 of 7) but put
   # fsdp_scan's first steps' starts next to their dones once the layers ran
-  # in loops (tests/aot/real_compilers_test.py, the A100 backward).
+  # in loops, and psum_start's matmul before its start
+  # (tests/aot/real_compilers_test.py, the A100 cells in OLDER_JAX_EXTRA).
+  def psum(x):
+    @program_order(enforce=True)
+    def f(x):
+      s = jax_overlap.psum_start(x, "i")
+      return s.done() + jnp.tanh(x)
+    return f(x)
+  summed = _lowered(psum, "cuda", jnp.ones(8)).compiler_ir()
+  assert compile_options._options_for(summed, "cuda", {})[
+      compile_options.GPU_LATENCY_HIDING] is True
   def looped(x):
     def body(x, _):
       return _two_gathers(x)[: x.shape[0]] * 0.5, None
