@@ -229,22 +229,18 @@ def _explicit_futures_here() -> bool:
 
 
 def _say_explicit_mesh_is_not_prefetched() -> None:
-  """Where the moves stay `jax.reshard`s (not `_explicit_futures_here`),
-  XLA's partitioner turns them into collectives. On GPU each step's are
-  tied into it (ordering/gpu_ties.py) and overlap the layer's matmuls (H100,
-  A100, jax 0.10.2 to 0.12.0.1). On TPU they are left to XLA, which
-  overlapped few: v5e (libtpu 0.0.42.1 / 0.0.44.1 with jax 0.10.2 /
-  0.11.0, and 0.0.52 before the futures) at width 16 none, every gather
-  synchronous, at width 128 3 of the 6 forward gathers and no
-  reduce-scatter, and the ties did not help (7 of 12); v5p (libtpu
-  0.0.52) every gather synchronous. Said once, where the trace knows it
-  targets TPU (or another accelerator); CPU makes every collective
-  blocking anyway."""
+  """Where the moves stay `jax.reshard`s (not `_explicit_futures_here`) and
+  the trace targets TPU, say once that XLA's partitioner schedules them:
+  TPU has no ties for them (GPU's, ordering/gpu_ties.py, keep them in their
+  step), and the TPU compilers overlapped few (docs/compilers.md, the
+  explicit-mesh column). CPU and GPU stay silent. Pinned by
+  fsdp_explicit_warning_test.py."""
   platform, kind = _compat.trace_device()
   if platform in (None, "cpu", "cuda", "rocm", "gpu"):
     return
-  why = (f"jax {jax.__version__} cannot take a future for TPU (jax 0.12 "
-         "can: there, on v5e and v5p, the moves are futures and overlap)"
+  why = (f"jax {jax.__version__} lowers a future as its plain collective, "
+         "which a reshard's place cannot hold (jax 0.12 can: there, on v5e "
+         "and v5p, the moves are futures and overlap)"
          if not _compat.ASYNC_CUSTOM_CALLS else
          f"{kind or 'this generation'} has no async all-gather pair that "
          "a program can place (v5e and v5p do: there the moves are futures "
@@ -252,12 +248,10 @@ def _say_explicit_mesh_is_not_prefetched() -> None:
   not_async.warn_once("fsdp-explicit-mesh", (
       f"fsdp_scan on an explicit mesh, for {platform}: the weights move by "
       f"jax.reshard, which XLA's partitioner schedules, because {why}; the "
-      "TPU compiler overlapped few of them (measured with libtpu 0.0.52 "
-      "and older: TPU v5e at small widths every gather synchronous, v5p "
-      "every gather synchronous; on GPU they are tied into their layer's "
-      "step and overlap). Inside jax.shard_map over the fsdp axis the "
-      "moves are all_gather_start / psum_scatter_start futures. Silence "
-      "with warnings.filterwarnings('ignore', "
+      "TPU compilers overlap few of them (docs/compilers.md). To keep them "
+      "in flight, call fsdp_scan inside jax.shard_map over the fsdp axis, "
+      "where the moves are all_gather_start / psum_scatter_start futures. "
+      "Silence with warnings.filterwarnings('ignore', "
       "category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
