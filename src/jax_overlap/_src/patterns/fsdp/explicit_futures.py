@@ -1,27 +1,25 @@
 """`fsdp_scan`'s moves on an explicit mesh as futures (TPU).
 
 On an explicit-sharding mesh the layer computes on global arrays, and a
-`jax.reshard` leaves the collective to XLA's partitioner, which on TPU v5e
-(libtpu 0.0.52) made most of them synchronous (ordering/gpu_ties.py has the
-figures). Here only the transfer is manual: each sharded leaf's gather is
+`jax.reshard` leaves the collective to XLA's partitioner, which the TPU
+compilers made mostly synchronous (docs/compilers.md, the explicit-mesh
+column). Here only the transfer is manual: each sharded leaf's gather is
 started in a `jax.shard_map` over its fsdp axes (`all_gather_start`), the
 in-flight buffer leaves it as an ordinary sharded array, the user's layer
 computes in global mode, and a second `shard_map` finishes it (`done()`);
 a gradient unreduced over exactly the leaf's fsdp axes is reduce-scattered
 the same way (`psum_scatter_start`, its TPU form). The step is the ordered
-block of the shard_map path (`start...; compute; done...`), so the pair
-spans the layer's matmuls. Measured (v5e 2x4, libtpu 0.0.52, jax 0.12.0.1,
-4 layers of two 16x16 weights, tests/aot/real_compilers_test.py): forward
-6 of 6 gathers with a matmul in flight (every layer's but the first),
-value_and_grad 11 of 11 gathers and 3 of 3 reduce-scatters (one a layer,
-every layer's but the last). The done finds its start across the two
-shard_maps by the pair its start recorded (collectives/lowering.py).
+block of the shard_map path (`start...; compute; done...`), so each pair
+spans the layer's matmuls: every layer's gather but the first, and every
+layer's reduce-scatter but the last, has a matmul in flight
+(real_compilers_test.py::test_fsdp_scan_on_an_explicit_mesh, v5e and v5p).
+The done finds its start across the two shard_maps by the pair its start
+recorded (collectives/lowering.py).
 
 Chosen where the trace targets a TPU whose all-gather is a plain async pair
-(v5e) or N-1 permutes (v5p, collectives/permute_forms.py: the same 6 of 6
-forward, 11 of 11 gathers and 3 of 3 reduce-scatters, each future counted
-once): arguments.py `_explicit_futures_here`; jax < 0.12 cannot take a
-future for TPU.
+(v5e) or N-1 permutes (v5p, collectives/permute_forms.py), with a jax that
+lowers a future as its async pair (0.12): arguments.py
+`_explicit_futures_here`.
 
 The gathered weight comes out replicated over the fsdp axes and is cast
 (`jax.reshard`, no data moves) to the `P(reduced=...)` type the gathers of
@@ -52,9 +50,9 @@ class FutureReshardTransfer(ReshardTransfer):
   bucket: the gradients of one layer's leaves (of one dtype) are
     reduce-scattered in one collective (buckets.py), as inside shard_map:
     the TPU form of a reduce-scatter (an all-to-all) is async one at a time,
-    so with one a leaf (bucket=False) half are synchronous (measured, 4
-    layers of 2 weights: 3 of the 6 moved in steps async, each with a
-    matmul in flight; bucketed, 3 of 3).
+    so with one a leaf (bucket=False) some are synchronous
+    (real_compilers_test.py::
+    test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu).
   """
 
   def __init__(self, axes, layouts, precision=None, dtypes=None, bucket=True):

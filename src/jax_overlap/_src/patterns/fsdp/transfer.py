@@ -51,14 +51,12 @@ from jax_overlap._src.patterns.varying import vary_over
 
 #: A step's outputs are fenced together after its last operation: every
 #: collective of the step is finished before anything reads any of its
-#: results. Without it a reduce-scatter's done, whose result only goes into
-#: the gradient stack, sinks below the next layers' steps (to the end of
-#: the loop iteration, or of the pass where the steps are not in a loop),
-#: and its input, a whole layer's gradient, stays live meanwhile: on the
-#: H100 compiler a 6-layer step held 6.63 gathered layers of temp bytes,
-#: 4.87 with the fence (benchmarks/bench_fsdp_memory.py --target gpu_h100).
-#: The inputs are not fenced: tying a gather's start to the step's other
-#: inputs cost TPU v5e a window in the backward pass.
+#: results. Why: unfenced, a reduce-scatter's done (read only by the gradient
+#: stack) sinks below the next steps and keeps a whole layer's gradient live
+#: (docs/fsdp.md has the temp bytes with and without). The inputs are not
+#: fenced: tying a gather's start to the step's other inputs cost TPU v5e a
+#: window. Pinned by real_compilers_test.py::
+#: test_fsdp_scan_memory_knobs_temp_bytes_on_h100.
 _DONE_BY_THE_END = (False, True)
 
 
