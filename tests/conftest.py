@@ -91,3 +91,31 @@ def mesh2():
 def mesh8():
   """8 devices, axis "i"."""
   return meshes.make((8,), ("i",))
+
+
+# --- CPU seconds a test (for CI's time budget) ------------------------------------
+# With JAX_OVERLAP_CPU_LOG=DIR each test process appends "SECONDS NODEID" lines to
+# DIR/cpu-PID.txt: the process's user + system CPU seconds over the test's setup, call
+# and teardown, its finished subprocesses' included. Wall-clock durations (--durations)
+# on a shared 2-core CI machine mostly measure the other lanes; CPU seconds add up to
+# what the run costs.
+_CPU_LOG = os.environ.get("JAX_OVERLAP_CPU_LOG")
+
+
+def _cpu_now() -> float:
+  import resource  # noqa: PLC0415
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_LOG:
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    began = _cpu_now()
+    yield
+    spent = _cpu_now() - began
+    path = pathlib.Path(_CPU_LOG)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / f"cpu-{os.getpid()}.txt", "a") as f:
+      f.write(f"{spent:.2f} {item.nodeid}\n")
