@@ -443,14 +443,10 @@ def test_a_small_gather_over_two_axes_is_async_or_said(name):
 
 
 #: (jax, target, future) -> why its pair has nothing in its window there
-#: (measured).
-EMPTY_WINDOW_OLDER = {
-    ("0.11.0", "gpu_h100", "psum"): (
-        "jax 0.11.0's H100 compiler makes psum_start's plain all-reduce "
-        "async with the matmul scheduled before its start (0.10.2: the "
-        "matmul inside); xla_gpu_enable_analytical_latency_estimator=true "
-        "puts it inside but empties other windows (docs/compilers.md)"),
-}
+#: (measured). (Empty: H100's psum_start on jax 0.11.0 had the matmul before
+#: its start until such modules got XLA's speed-of-light estimator off, quirk
+#: "gpu-plain-future-estimator".)
+EMPTY_WINDOW_OLDER: dict = {}
 
 
 def permute_gathers(name) -> bool:
@@ -657,13 +653,6 @@ if OLDER:
           "the dx ring paced (patterns/collective_matmul.py; unpaced: 9); "
           "libtpu 0.0.42.1 / 0.0.44.1 leave 2 of the x ring's sends, "
           "interleaved with the dx ring's, with no block matmul")),
-      ("all_gather_matmul forward", "gpu_h100"): (0, (
-          "at 8 x 16 rows a device XLA's scheduler puts each step's block "
-          "matmul before its send's start (nothing but the operand places a "
-          "plain start), with its analytical speed-of-light estimator: "
-          "7/7 with xla_gpu_enable_analytical_sol_latency_estimator=false, "
-          "which empties psum_start's window on jax 0.10.2 instead, and "
-          "7/7 at 512 x 1024 rows a device")),
   })
 
 

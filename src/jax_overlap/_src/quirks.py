@@ -107,6 +107,16 @@ TABLE = (
           "latency-hiding scheduler does not)",
           "tests/aot/real_compilers_test.py::"
           "test_future_is_an_async_pair_around_the_matmul"),
+    Quirk("gpu-plain-future-estimator", "gpu", None, "cuda", ("0.10.2", "0.11.0"),
+          "on jax < 0.12 (gpu-plain-future) a module whose every collective "
+          "is a future's plain collective gets "
+          "xla_gpu_enable_analytical_sol_latency_estimator off: with it H100's "
+          "latency-hiding scheduler put all_gather_matmul's block matmuls "
+          "before their sends' starts at small sizes (and, jax 0.11.0, "
+          "psum_start's matmul before its start); a module holding XLA's or "
+          "the user's own collectives too keeps XLA's estimate",
+          "tests/aot/real_compilers_test.py::"
+          "test_collective_matmul_sends_behind_block_matmuls"),
     Quirk("tpu-plain-future", "tpu", None, "libtpu", ("0.0.42.1", "0.0.44.1"),
           "as gpu-plain-future; libtpu there makes the all-gather, permute "
           "and all-to-all (with xla_tpu_enable_async_all_to_all) async, and "

@@ -64,8 +64,10 @@ ties (two a step), as if each were a start: a backward step has the
 partitioner's gather and reduce-scatter in flight at once. It also gets
 `xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
 tied collectives; the A100 spec has it off), and so does a GPU module that
-holds a loop and a future's plain collective (jax < 0.12, quirks.py
-"gpu-plain-future"), whose start and done XLA places itself.
+holds a loop or a psum_start and a future's plain collective (jax < 0.12,
+quirks.py "gpu-plain-future"), whose start and done XLA places itself. A GPU
+module whose every collective is such a plain collective gets XLA's
+speed-of-light latency estimator off (quirks.py "gpu-plain-future-estimator").
 
 Other modules compile exactly as XLA would
 (tests/ordering/compile_options_test.py; the real compilers' checks are in
@@ -84,6 +86,7 @@ from jax_overlap._src.ordering import gpu_ties
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
+GPU_SOL_ESTIMATOR = "xla_gpu_enable_analytical_sol_latency_estimator"
 #: XLA:GPU's combiners, off (1 byte) for modules holding plain futures.
 GPU_COMBINE_THRESHOLDS = tuple(
     f"xla_gpu_{kind}_combine_threshold_bytes"
@@ -186,6 +189,15 @@ def _options_for(computation, platform: str, user_options, *,
     # step starts layer 0's and layer 1's gathers together: one gather, done
     # before the first matmul); each stays the future it was written as.
     wanted.update({k: 1 for k in GPU_COMBINE_THRESHOLDS})
+    if (_only_future_collectives(computation)
+        and quirks.applies("gpu-plain-future-estimator", platform)):
+      # Every collective is a future written to overlap: XLA's speed-of-light
+      # estimate put small ones' written matmul before their start. XLA's own
+      # collectives keep its estimate, and so do modules holding them too
+      # (docs/compilers.md). Pinned by real_compilers_test.py::
+      # test_collective_matmul_sends_behind_block_matmuls[forward-all_gather_matmul-gpu_h100]
+      # and test_future_is_an_async_pair_around_the_matmul[psum-gpu_h100].
+      wanted[GPU_SOL_ESTIMATOR] = False
     if _holds_a_loop(computation) or _holds_plain_all_reduce(computation):
       # With the latency-hiding scheduler off (the A100 spec) the memory
       # scheduler places each plain start: it closed fsdp_scan's windows
@@ -210,6 +222,20 @@ def _holds_plain_futures(computation) -> bool:
   if not _compat.IN_FLIGHT_LEFT_UNFENCED:
     return False
   return _holds(computation, lambda op: _compat.IN_FLIGHT_ATTR in op.attributes)
+
+
+#: The MLIR collectives (and ragged all-to-all's custom call) XLA runs.
+_COLLECTIVE_OPS = (*_SYNC_COLLECTIVES, "stablehlo.collective_broadcast")
+
+
+def _only_future_collectives(computation) -> bool:
+  """Whether every collective of the module is a future's plain collective
+  (`_compat.IN_FLIGHT_ATTR`, jax < 0.12): none is XLA's or the user's own."""
+  def xlas_own(op):
+    if op.name == "stablehlo.custom_call":
+      return "ragged_all_to_all" in str(op.attributes["call_target_name"])
+    return op.name in _COLLECTIVE_OPS and _compat.IN_FLIGHT_ATTR not in op.attributes
+  return _holds_plain_futures(computation) and not _holds(computation, xlas_own)
 
 
 def _holds_plain_all_reduce(computation) -> bool:
