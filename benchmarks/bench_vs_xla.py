@@ -590,6 +590,15 @@ def _gib(b) -> str:
   return "?" if b is None else f"{b / 2**30:.2f} GiB"
 
 
+def _same_run(a: dict, b: dict) -> bool:
+  """Whether two records were compiled in one run, so that their compile times
+  make a ratio (runs differ in load and compiles at once): by the run each was
+  tagged with when `--reinspect` merged runs, else both read again or neither."""
+  if "run" in a or "run" in b:
+    return a.get("run") == b.get("run")
+  return bool(a.get("not_reread")) == bool(b.get("not_reread"))
+
+
 def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict]) -> str:
   runs = meta.get("runs") or [{"command": meta["command"], "date": meta["date"],
                                  "wall_s": meta["wall_s"], "jobs": meta.get("jobs", 1)}]
@@ -611,8 +620,10 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
          f"Model: the demo's transformer, {meta['shapes_line']}; the training step is "
          "`value_and_grad` of the loss plus an SGD update. Compile time: one compile "
          "each, in a process of its own, on this machine"
-         + (f", {meta['jobs']} at once" if meta.get("jobs", 1) > 1 else "")
-         + "; the ratio is to XLA sharding's for the same target and size.",
+         + (f", {meta['jobs']} at once" if meta.get("jobs", 1) > 1 and not meta.get("runs")
+            else " (how many at once: each run's, above)" if meta.get("runs") else "")
+         + "; the ratio is to XLA sharding's for the same target and size, within one "
+         "run (`-` between runs).",
          "",
          "Inspector reading used:",
          ""]
@@ -630,9 +641,8 @@ def markdown(meta: dict, records: list[dict], reading: dict, checks: list[dict])
           continue
         base = (_find(records, target, n, "XLA sharding")
                 or _find(records, target, n, "plain scan"))
-        # (no ratio between a record read again and one kept from an earlier run)
         ratio = ("-" if "compile_s" not in r or base is None or "compile_s" not in base
-                 or bool(r.get("not_reread")) != bool(base.get("not_reread"))
+                 or not _same_run(r, base)
                  else f"{r['compile_s'] / base['compile_s']:.2f}")
         if "comm_s" in r:
           share = ((r["exposed_s"] - r["bound_exposed_s"]) / r["comm_s"]
@@ -791,6 +801,8 @@ def reinspect(paths: list[pathlib.Path], out: pathlib.Path) -> int:
   merged = {}
   for run in runs:
     for r in run["records"]:
+      if not run["meta"].get("runs"):   # one run's file: its records share a run
+        r.setdefault("run", run["meta"]["date"])
       merged[r["target"], r["layers"], r["variant"]] = r
   records = sorted(merged.values(), key=lambda r: (
       list(TARGETS).index(r["target"]), r["layers"], VARIANTS.index(r["variant"])))
