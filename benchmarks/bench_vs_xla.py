@@ -225,24 +225,32 @@ def _step(variant: str, cfg, mesh, specs):
   return train_step
 
 
-def child(target: str, variants: list[str], layers: list[int], out_dir: str) -> None:
+def _abstract_inputs(mesh, n: int):
+  """(config, param specs, abstract params, abstract tokens) of the `n`-block
+  model at SHAPES on `mesh`: what `child` and `compile_times` compile."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   from jax_overlap._src.demo import model  # noqa: PLC0415
-  mesh = _mesh(target)
   s = SHAPES
+  cfg = model.Config(vocab=s["vocab"], d=s["d"], heads=s["heads"],
+                     hidden=s["hidden"], layers=n, seq=s["seq"])
+  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
+  specs = model.specs(shapes, AXIS)
+  params = jax.tree.map(
+      lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                         sharding=NamedSharding(mesh, sp)),
+      shapes, specs)
+  tokens = jax.ShapeDtypeStruct((s["batch_per_device"] * 8, cfg.seq), jnp.int32,
+                                sharding=NamedSharding(mesh, P(AXIS)))
+  return cfg, specs, params, tokens
+
+
+def child(target: str, variants: list[str], layers: list[int], out_dir: str) -> None:
+  import jax  # noqa: PLC0415
+  mesh = _mesh(target)
   for n in layers:
-    cfg = model.Config(vocab=s["vocab"], d=s["d"], heads=s["heads"],
-                       hidden=s["hidden"], layers=n, seq=s["seq"])
-    shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
-    specs = model.specs(shapes, AXIS)
-    params = jax.tree.map(
-        lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                           sharding=NamedSharding(mesh, sp)),
-        shapes, specs)
-    tokens = jax.ShapeDtypeStruct((s["batch_per_device"] * 8, cfg.seq), jnp.int32,
-                                  sharding=NamedSharding(mesh, P(AXIS)))
+    cfg, specs, params, tokens = _abstract_inputs(mesh, n)
     for variant in variants:
       rec = {"target": target, "variant": variant, "layers": n}
       options = _compile_options(target, variant)
@@ -274,22 +282,10 @@ def compile_times(target: str, variants: list[str], layers: list[int],
   variant's median CPU ratio to the plain scan's and XLA sharding's."""
   import statistics  # noqa: PLC0415
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  from jax_overlap._src.demo import model  # noqa: PLC0415
-  mesh, s, cpu = _mesh(target), SHAPES, {}
+  mesh, cpu = _mesh(target), {}
   for r in range(rounds):
     for n in layers:
-      cfg = model.Config(vocab=s["vocab"], d=s["d"], heads=s["heads"],
-                         hidden=s["hidden"], layers=n, seq=s["seq"])
-      shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
-      specs = model.specs(shapes, AXIS)
-      params = jax.tree.map(
-          lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                             sharding=NamedSharding(mesh, sp)),
-          shapes, specs)
-      tokens = jax.ShapeDtypeStruct((s["batch_per_device"] * 8, cfg.seq), jnp.int32,
-                                    sharding=NamedSharding(mesh, P(AXIS)))
+      cfg, specs, params, tokens = _abstract_inputs(mesh, n)
       for variant in (variants if r % 2 == 0 else variants[::-1]):
         lowered = jax.jit(_step(variant, cfg, mesh, specs)).lower(params, tokens, tokens)
         t0, c0 = time.perf_counter(), time.process_time()
