@@ -20,16 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_overlap._src.patterns.leading_axis import wrong_leading_axis
+
 
 def check_xs(xs, n_layers: int) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(xs):
-    shape = jnp.shape(leaf)
-    if not shape or shape[0] != n_layers:
-      raise ValueError(
-          f"fsdp_scan(xs=...): leaf {jax.tree_util.keystr(path) or '(xs itself)'} "
-          f"has shape {shape}; every leaf of xs is stacked over the layers "
-          f"like params (a leading dimension of {n_layers}, the number of "
-          "layers of params), as lax.scan's xs.")
+  bad = wrong_leading_axis(xs, n_layers)
+  if bad:
+    path, shape = bad
+    raise ValueError(
+        f"fsdp_scan(xs=...): leaf {path or '(xs itself)'} "
+        f"has shape {shape}; every leaf of xs is stacked over the layers "
+        f"like params (a leading dimension of {n_layers}, the number of "
+        "layers of params), as lax.scan's xs.")
 
 
 def with_layer_inputs(layer: Callable) -> Callable:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap._src import _compat
+from jax_overlap._src.patterns.leading_axis import wrong_leading_axis
 
 
 def axis_size(axis) -> int:
@@ -21,24 +22,23 @@ def axis_size(axis) -> int:
 
 def check_shapes(stage_params, xs, targets, v: int) -> int:
   """Returns m; raises naming the argument whose leading axis is wrong."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
-    shape = jnp.shape(leaf)
-    if not shape or shape[0] != v:
-      raise ValueError(
-          f"stage_params{jax.tree_util.keystr(path)} has shape {shape} inside "
-          f"shard_map: its leading axis must be virtual_stages={v} (entry j "
-          "is global stage j*p + d on device d). Lay the stack of the p*v "
-          "stages out with jax_overlap.pipeline_stage_layout and shard it "
-          "over the pipeline axis.")
+  bad = wrong_leading_axis(stage_params, v)
+  if bad:
+    raise ValueError(
+        f"stage_params{bad[0]} has shape {bad[1]} inside "
+        f"shard_map: its leading axis must be virtual_stages={v} (entry j "
+        "is global stage j*p + d on device d). Lay the stack of the p*v "
+        "stages out with jax_overlap.pipeline_stage_layout and shard it "
+        "over the pipeline axis.")
   if jnp.ndim(xs) < 1:
     raise ValueError(f"xs has shape {jnp.shape(xs)}: expected m microbatches "
                      "stacked on axis 0.")
   m = jnp.shape(xs)[0]
-  for path, leaf in jax.tree_util.tree_leaves_with_path(targets):
-    if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != m:
-      raise ValueError(
-          f"targets{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}: "
-          f"expected the {m} microbatches of xs stacked on axis 0.")
+  bad = wrong_leading_axis(targets, m)
+  if bad:
+    raise ValueError(
+        f"targets{bad[0]} has shape {bad[1]}: "
+        f"expected the {m} microbatches of xs stacked on axis 0.")
   return m
 
 
