@@ -78,6 +78,11 @@ TARGETS = {
 }
 VARIANTS = ("XLA sharding", "XLA sharding + XLA flags", "plain scan",
             "plain scan + XLA flags", "hand-written pipeline", "fsdp_scan")
+#: Compiled only by --compile-time (no table row): fsdp_scan with one setting
+#: changed, or the plain scan with layer 0 out of its loop as fsdp_scan runs it:
+#: what fsdp_scan's compile time follows (docs/bench-vs-xla.md).
+COMPILE_TIME_VARIANTS = {"fsdp_scan bucket=False": {"bucket": False},
+                         "plain scan, layer 0 peeled": {}}
 #: The rows of XLA's own sharding (jit + NamedSharding): the baseline users run.
 XLA_ROWS = ("XLA sharding", "XLA sharding + XLA flags")
 
@@ -130,6 +135,19 @@ def _mesh(target: str):
         platform="cuda", target_config=(SPECS / spec).read_text(),
         topology=topo_name)
   return jax.sharding.Mesh(list(topo.devices), (AXIS,))
+
+
+def _peeled_blocks(block, x, blocks):
+  """The plain scan with layer 0 run before the loop (as `fsdp_scan` runs it):
+  the layer's code compiled twice, for `--compile-time`."""
+  import jax  # noqa: PLC0415
+  from jax import lax  # noqa: PLC0415
+
+  gather = lambda shard: jax.tree.map(
+      lambda a: lax.all_gather(a, AXIS, axis=0, tiled=True), shard)
+  x = block(x, gather(jax.tree.map(lambda a: a[0], blocks)))
+  return lax.scan(lambda x, shard: (block(x, gather(shard)), None), x,
+                  jax.tree.map(lambda a: a[1:], blocks))[0]
 
 
 def _pipeline_blocks(block, x, blocks):
@@ -204,17 +222,20 @@ def _step(variant: str, cfg, mesh, specs):
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   from jax_overlap._src.demo import model, training  # noqa: PLC0415
   assert training.AXIS == AXIS
-  ours, plain = training.losses_for(cfg, mesh, specs)
+  ours, plain = training.losses_for(cfg, mesh, specs,
+                                    **COMPILE_TIME_VARIANTS.get(variant, {}))
   if variant in XLA_ROWS:
     loss = _xla_sharding_loss(cfg, mesh)
-  elif variant == "fsdp_scan":
+  elif variant.startswith("fsdp_scan"):
     loss = ours
-  elif variant.startswith("plain scan"):
+  elif variant in ("plain scan", "plain scan + XLA flags"):
     loss = plain
   else:
+    blocks_fn = (_peeled_blocks if variant == "plain scan, layer 0 peeled"
+                 else _pipeline_blocks)
     @jax.shard_map(mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)), out_specs=P())
     def loss(params, tokens, targets):
-      out = model.logits(cfg, params, tokens, _pipeline_blocks)
+      out = model.logits(cfg, params, tokens, blocks_fn)
       return lax.pmean(model.cross_entropy(out, targets), AXIS)
 
   # SGD: the optimizer is elementwise on the sharded leaves, so it moves no
@@ -706,7 +727,10 @@ def main() -> int:
   parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 24])
   parser.add_argument("--targets", nargs="+", choices=list(TARGETS),
                       default=list(TARGETS))
-  parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+  parser.add_argument("--variants", nargs="+", choices=VARIANTS + tuple(COMPILE_TIME_VARIANTS),
+                      default=list(VARIANTS),
+                      help="the table's rows; with --compile-time also "
+                      + ", ".join(COMPILE_TIME_VARIANTS))
   parser.add_argument("--jobs", type=int, default=1,
                       help="compiles at once (one process each)")
   parser.add_argument("--timeout", type=float, default=900,
@@ -736,6 +760,10 @@ def main() -> int:
       os.environ.setdefault(k, v)
     compile_times(opts.targets[0], opts.variants, opts.layers, opts.compile_time)
     return 0
+  extra = [v for v in opts.variants if v in COMPILE_TIME_VARIANTS]
+  if extra:
+    parser.error(f"--variants {extra} are compiled only with --compile-time (they "
+                 "have no table row): add --compile-time ROUNDS or leave them out")
   if opts.reinspect:
     return reinspect([pathlib.Path(p) for p in opts.reinspect], pathlib.Path(opts.out))
   started = time.perf_counter()

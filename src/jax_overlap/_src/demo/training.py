@@ -46,8 +46,10 @@ def mesh_of(devices: int):
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def losses_for(cfg: model.Config, mesh, param_specs) -> tuple[Callable, Callable]:
-  """(overlapped loss, plain unordered loss), each (params, tokens, targets)."""
+def losses_for(cfg: model.Config, mesh, param_specs,
+               **fsdp_options) -> tuple[Callable, Callable]:
+  """(overlapped loss, plain unordered loss), each (params, tokens, targets);
+  `fsdp_options` go to the overlapped loss's `fsdp_scan` (e.g. bucket=False)."""
   from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
 
   def plain(block, x, blocks):
@@ -70,7 +72,8 @@ def losses_for(cfg: model.Config, mesh, param_specs) -> tuple[Callable, Callable
     return fsdp_scan(
         model.block(cfg), tokens, params["blocks"], axis=AXIS,
         before=lambda tokens: model.embed(params, tokens),
-        after=lambda x: model.cross_entropy(model.head(params, x), targets))
+        after=lambda x: model.cross_entropy(model.head(params, x), targets),
+        **fsdp_options)
 
   def unordered(params, tokens, targets):
     return model.cross_entropy(model.logits(cfg, params, tokens, plain),
