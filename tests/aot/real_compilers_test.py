@@ -645,15 +645,9 @@ if OLDER:
 #: jax < 0.12 (quirks "gpu-plain-future" / "tpu-plain-future"): (test,
 #: target) -> (what is in flight there, measured, why not all). The test
 #: asserts at least that many; it fails when the count falls, and says so
-#: when it reaches what jax 0.12 gives (drop the entry then).
+#: when it reaches what jax 0.12 gives (drop the entry then). (Empty: every
+#: cell the older lanes run is at jax 0.12's count.)
 OLDER_IN_FLIGHT: dict = {}
-if OLDER:
-  OLDER_IN_FLIGHT.update({
-      ("all_gather_matmul backward", "tpu_v5e"): (12, (
-          "the dx ring paced (patterns/collective_matmul.py; unpaced: 9); "
-          "libtpu 0.0.42.1 / 0.0.44.1 leave 2 of the x ring's sends, "
-          "interleaved with the dx ring's, with no block matmul")),
-  })
 
 
 def _short(test, name, got, wanted):

@@ -12,6 +12,8 @@ written: start the send, compute on what is already here, then `done()`.
 * `reduce_scatter_ring`: an accumulator per output chunk travels towards the
   device that owns the chunk, and each device on the way adds its part. The
   accumulator for chunk `t` starts `hops` devices away from `t` on its ring.
+* `gather_and_scatter_ring`: both in one ring of steps, for a transpose that
+  needs both where the sends are plain collectives.
 
 With `size` devices the left ring makes `size - 1` hops, or `size // 2` when
 bidirectional (the right ring then makes `(size - 1) // 2`): the two cover the
@@ -27,6 +29,7 @@ import jax
 
 from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.ordering.decorator import program_order
+from jax_overlap._src.patterns.leaf_scope import moving
 
 
 class Ring(NamedTuple):
@@ -65,6 +68,21 @@ def _send(chunk, ring: Ring, direction: int):
   return ppermute_start(chunk, ring.axis, ring.perm(direction))
 
 
+def _sources(ring: Ring, hops, index):
+  """{(direction, step): the device whose chunk a gather ring brings here
+  at that step}: the left ring brings index + step, the right index - step."""
+  return {(d, step): (index - d * step) % ring.size
+          for d in hops for step in range(1, hops[d] + 1)}
+
+
+def _targets(ring: Ring, hops, index):
+  """{(direction, local): the device whose output chunk the accumulator
+  here after `local` hops is for}: it travels `hops` devices in its ring's
+  direction to its owner, and is that many devices short of it."""
+  return {(d, local): (index + d * (hops[d] - local)) % ring.size
+          for d in hops for local in range(hops[d])}
+
+
 def gather_ring(ring: Ring, chunk, operands, state,
                 consume: Callable[[Any, Any, Any, Any], Any]):
   """Folds every device's `chunk` into `state`, each as it arrives.
@@ -80,8 +98,7 @@ def gather_ring(ring: Ring, chunk, operands, state,
   # holds only the sends, the compute and the dones. The left ring brings
   # the chunk of index + step, the right one that of index - step.
   index = jax.lax.axis_index(ring.axis)
-  sources = {(d, step): (index - d * step) % ring.size
-             for d in hops for step in range(1, hops[d] + 1)}
+  sources = _sources(ring, hops, index)
 
   @program_order(enforce=True)
   def run(chunk, operands, state, index, sources):
@@ -89,16 +106,23 @@ def gather_ring(ring: Ring, chunk, operands, state,
     for step in range(left_hops + 1):
       sending = [d for d in held if step < hops[d]]
       futures = {d: _send(held[d], ring, d) for d in sending}
-      if step == 0:
-        state = consume(operands, state, chunk, index)
-      for d in held:
-        if 1 <= step <= hops[d]:
-          state = consume(operands, state, held[d], sources[d, step])
+      state = _fold(consume, operands, state, held, index, sources, step)
       for d in sending:
         held[d] = futures[d].done().reshape(chunk.shape)
     return state
 
   return run(chunk, operands, state, index, sources)
+
+
+def _fold(consume, operands, state, held, index, sources, step: int):
+  """A gather step's compute: the own chunk at step 0, then each ring's
+  chunk held at that step (from device `sources[direction, step]`)."""
+  if step == 0:
+    return consume(operands, state, held[_LEFT], index)
+  for d in held:
+    if (d, step) in sources:
+      state = consume(operands, state, held[d], sources[d, step])
+  return state
 
 
 def reduce_scatter_ring(ring: Ring, operands,
@@ -116,11 +140,8 @@ def reduce_scatter_ring(ring: Ring, operands,
   # Both rings end on the last step: the shorter one starts later.
   first_step = {d: left_hops - h for d, h in hops.items()}
 
-  # An accumulator travels `hops` devices in its ring's direction to its
-  # owner; the one here after `local` hops is that many devices short of it.
   index = jax.lax.axis_index(ring.axis)
-  targets = {(d, local): (index + d * (hops[d] - local)) % ring.size
-             for d in hops for local in range(hops[d])}
+  targets = _targets(ring, hops, index)
 
   @program_order(enforce=True)
   def run(operands, index, targets):
@@ -145,13 +166,76 @@ def reduce_scatter_ring(ring: Ring, operands,
                for d in hops if 0 <= local[d] < hops[d]}
       if step == left_hops:
         own = part(operands, index)
-      for d in sending:
-        received[d] = futures[d].done().reshape(acc[d].shape)
-      for d in parts:
-        acc[d] = parts[d] if local[d] == 0 else received[d] + parts[d]
-    for d in hops:
-      if hops[d]:
-        own = own + received[d]
-    return own
+      _arrive(futures, received, acc, parts, local)
+    return _summed(own, received)
 
   return run(operands, index, targets)
+
+
+def _arrive(futures, received, acc, parts, local):
+  """Receives each sent accumulator, and adds this step's parts to it."""
+  for d, future in futures.items():
+    received[d] = future.done().reshape(acc[d].shape)
+  for d in parts:
+    acc[d] = parts[d] if local[d] == 0 else received[d] + parts[d]
+
+
+def _summed(own, received):
+  for d in sorted(received):
+    own = own + received[d]
+  return own
+
+
+def gather_and_scatter_ring(ring: Ring, chunk, operands, state,
+                            consume: Callable[[Any, Any, Any, Any], Any],
+                            part: Callable[[Any, Any], Any], *,
+                            names: tuple[str, str]):
+  """`gather_ring` and a paced `reduce_scatter_ring` in one ring of steps.
+
+  Returns `(the summed parts, state)`, each as the two rings would. Each
+  step is two halves: the chunk's send while `consume` runs on the chunk
+  held, then the accumulators' send while this step's parts run; and the
+  step's compute reads the operands only once the accumulators it sends
+  are complete. Where the sends are plain collectives
+  (`_compat.IN_FLIGHT_LEFT_UNFENCED`), the TPU compiler interleaves the
+  sends of two rings side by side and leaves some with no compute behind
+  them; without the tie it moves a step's matmul into the window before
+  (tests/aot/real_compilers_test.py::
+  test_collective_matmul_sends_behind_block_matmuls, older aot venvs).
+  `names`: what the chunk's and the accumulators' sends carry (`moving`).
+  """
+  left_hops, right_hops = ring.hops
+  hops = {_LEFT: left_hops, _RIGHT: right_hops}
+  first_step = {d: left_hops - h for d, h in hops.items()}
+  index = jax.lax.axis_index(ring.axis)
+  sources = _sources(ring, hops, index)
+  targets = _targets(ring, hops, index)
+
+  def send(name, chunks, directions):
+    with moving(name):
+      return {d: _send(chunks[d], ring, d) for d in directions}
+
+  @program_order(enforce=True)
+  def run(chunk, operands, state, index, sources, targets):
+    held = {_LEFT: chunk, _RIGHT: chunk}
+    acc, received = {}, {}
+    for step in range(left_hops + 1):
+      local = {d: step - first_step[d] for d in hops}
+      summing = [d for d in hops if 1 <= local[d] <= hops[d]]
+      sending = [d for d in hops if step < hops[d]]
+      futures = send(names[0], held, sending)
+      if summing:
+        operands, _ = jax.lax.optimization_barrier(
+            (operands, [acc[d] for d in summing]))
+      state = _fold(consume, operands, state, held, index, sources, step)
+      for d in sending:
+        held[d] = futures[d].done().reshape(chunk.shape)
+      futures = send(names[1], acc, summing)
+      parts = {d: part(operands, targets[d, local[d]])
+               for d in hops if 0 <= local[d] < hops[d]}
+      if step == left_hops:
+        own = part(operands, index)
+      _arrive(futures, received, acc, parts, local)
+    return _summed(own, received), state
+
+  return run(chunk, operands, state, index, sources, targets)

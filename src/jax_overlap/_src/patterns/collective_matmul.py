@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap._src import _compat
-from jax_overlap._src.patterns._ring import Ring, gather_ring, reduce_scatter_ring
+from jax_overlap._src.patterns._ring import (
+    Ring, gather_and_scatter_ring, gather_ring, reduce_scatter_ring)
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.varying import vary_over, varying
 
@@ -216,23 +217,31 @@ def _with_transpose(forward, transpose):
 def _gather_then_matmul_transpose(ring: Ring, dim: int, x, w, dy):
   # dx: dy's rows, summed over the devices and scattered back to the block
   # each came from; dw: the gathered x against dy, one block at a time.
-  # The ring is not paced here where the sends are fenced: beside the
-  # gather ring of x below, whose steps the compiler interleaves with its
-  # own, pacing leaves windows empty on TPU (docs/compilers.md has the
-  # counts; tests/aot/real_compilers_test.py::
-  # test_collective_matmul_sends_behind_block_matmuls pins every permute
-  # with a block matmul). Where a send is its plain collective, left out of
-  # the fences (`_compat.IN_FLIGHT_LEFT_UNFENCED`), nothing else holds a
-  # part to its step, and unpaced TPU computes them all before the first
-  # send (the same test, in the older aot venvs).
-  with moving("dy @ w.T"):
-    dx = _scatter_partial_sums(ring, dim, dy, w.T,
-                               paced=_compat.IN_FLIGHT_LEFT_UNFENCED)
   rows = x.shape[dim]
   dtype = _accumulator_dtype(jnp.result_type(x, dy))
 
   def consume(dy, dw, held, source):
     return dw + _contract_rows(held, _block(dy, source, rows, dim), dtype)
+  if _compat.IN_FLIGHT_LEFT_UNFENCED:
+    # Where a send is its plain collective, left out of the fences, two
+    # rings side by side have their sends interleaved by the TPU compiler,
+    # some with no block matmul behind them: one ring carries both, x's
+    # send then dx's partial sums' (_ring.gather_and_scatter_ring;
+    # tests/aot/real_compilers_test.py::
+    # test_collective_matmul_sends_behind_block_matmuls, older aot venvs).
+    def part(operands, target):
+      dy, wt = operands
+      return _block(dy, target, rows, dim) @ wt
+    return gather_and_scatter_ring(
+        ring, x, (dy, w.T), _zeros(w.shape, dtype, like=x),
+        lambda operands, *rest: consume(operands[0], *rest), part,
+        names=("x", "dy @ w.T"))
+  # The dx ring is not paced here, where the sends are fenced: beside the
+  # gather ring of x below, whose steps the compiler interleaves with its
+  # own, pacing leaves windows empty on TPU (docs/compilers.md has the
+  # counts; the same test pins every permute with a block matmul).
+  with moving("dy @ w.T"):
+    dx = _scatter_partial_sums(ring, dim, dy, w.T, paced=False)
   with moving("x"):
     dw = gather_ring(ring, x, dy, _zeros(w.shape, dtype, like=x), consume)
   return dx, dw
