@@ -252,16 +252,11 @@ def _abstract_inputs(mesh, n: int):
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  from jax_overlap._src.demo import model  # noqa: PLC0415
+  from jax_overlap._src.demo import model, training  # noqa: PLC0415
   s = SHAPES
   cfg = model.Config(vocab=s["vocab"], d=s["d"], heads=s["heads"],
                      hidden=s["hidden"], layers=n, seq=s["seq"])
-  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
-  specs = model.specs(shapes, AXIS)
-  params = jax.tree.map(
-      lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                         sharding=NamedSharding(mesh, sp)),
-      shapes, specs)
+  specs, params = training.abstract_params(cfg, mesh)
   tokens = jax.ShapeDtypeStruct((s["batch_per_device"] * 8, cfg.seq), jnp.int32,
                                 sharding=NamedSharding(mesh, P(AXIS)))
   return cfg, specs, params, tokens

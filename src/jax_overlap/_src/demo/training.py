@@ -189,6 +189,18 @@ def sample(cfg, params, corpus, prompt: str, n: int) -> str:
   return corpus.decode(generate(ids))
 
 
+def abstract_params(cfg: model.Config, mesh) -> tuple[Any, Any]:
+  """(param specs, params as ShapeDtypeStructs sharded on `mesh` by those
+  specs): the model's parameters traced from shapes alone, nothing allocated."""
+  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
+  specs = model.specs(shapes, AXIS)
+  params = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=NamedSharding(mesh, s)),
+      shapes, specs)
+  return specs, params
+
+
 def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
   """The overlap report of the training step, ours and the plain scan's, at
   `opts.report_width` (traced from shapes alone: nothing is allocated)."""
@@ -201,12 +213,7 @@ def overlap_reports(cfg: model.Config, opts: Options, optimizer) -> dict:
   else:
     batch = opts.batch_per_device * opts.devices
   mesh = mesh_of(opts.devices)
-  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.PRNGKey(0)))
-  param_specs = model.specs(shapes, AXIS)
-  params = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                        sharding=NamedSharding(mesh, s)),
-      shapes, param_specs)
+  param_specs, params = abstract_params(cfg, mesh)
   opt_state = jax.eval_shape(optimizer.init, params)
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32,
                                 sharding=NamedSharding(mesh, P(AXIS)))
