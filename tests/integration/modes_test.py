@@ -331,9 +331,8 @@ def _sync_result(api, mode):
   """The synchronous body's result in `mode`. Where the body is plain jax (no
   program_order around it) its eager run tests jax, not this library, so an
   eager cell takes the jitted mode's result, computed once for both cells
-  (eager dispatch compiled every op of the reference again: about half of
-  each eager cell's CPU time). Plain values stay eager against eager: they
-  are compared bit for bit."""
+  (eager dispatch would compile every op of the reference again). Plain
+  values stay eager against eager: they are compared bit for bit."""
   run = MODES[mode]
   _, _, si, so = APIS[api]
   ordered = getattr(run, "ordered", None)
