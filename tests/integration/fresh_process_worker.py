@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_overlap as jo  # noqa: E402  (imported only: nothing called yet)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))
 from ragged_reference import dense_reference  # noqa: E402  (jax ops only)
+from value_and_grads import with_grads  # noqa: E402  (jax ops only)
 
 CASE_CPU_S = 120
 CASE_WALL_S = 1200
@@ -112,11 +113,9 @@ def _program_order(enforce):
     with _context(context, mesh):
       if context != "none":              # the user's arrays live on the mesh
         x, w = _put(mesh, x, P(AXIS)), _put(mesh, w, P())
-      loss = lambda g: lambda x, w: jnp.sum(g(x, w) ** 2)
-      got = (jax.jit(program)(x, w),                           # compiled here
-             jax.jit(jax.grad(loss(program), argnums=(0, 1)))(x, w))
-      want = (jax.jit(f)(x, w),
-              jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w))
+      loss = lambda out: jnp.sum(out ** 2)
+      got = with_grads(program, loss, (0, 1))(x, w)           # compiled here
+      want = with_grads(f, loss, (0, 1))(x, w)
     _close("value and grads", got, want, checks)
   return run
 
@@ -166,12 +165,11 @@ def _future(name):
         return y * jnp.cos(y), side
       return _shard_map(context, mesh, f, in_specs=P(AXIS),
                         out_specs=(out_spec, P(AXIS)))
-    loss = lambda g: lambda v: sum(jnp.sum(t ** 2) for t in g(v))
+    loss = lambda out: sum(jnp.sum(t ** 2) for t in out)
     with _context(context, mesh):
       x = _put(mesh, _x((64, 8)), P(AXIS))
-      ours, ref = body(start), body(plain)
-      got = jax.jit(ours)(x), jax.jit(jax.grad(loss(ours)))(x)   # first call
-      want = jax.jit(ref)(x), jax.jit(jax.grad(loss(ref)))(x)
+      got = with_grads(body(start), loss)(x)                    # first call
+      want = with_grads(body(plain), loss)(x)
     _close("value and grad", got, want, checks)
   return run
 
@@ -240,11 +238,9 @@ def _collective_matmul(name):
       args = [_put(mesh, a, s) for a, s in zip((x, w), in_specs)]
       fns = [_shard_map(context, mesh, g, in_specs=in_specs, out_specs=out_spec,
                         check_vma=False) for g in (ours, plain)]
-      results = []
-      for f in fns:                                     # ours first
-        loss = lambda x, w, f=f: jnp.sum(jnp.sin(f(x, w)))
-        results.append((jax.jit(f)(*args),
-                        jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)))
+      loss = lambda out: jnp.sum(jnp.sin(out))
+      results = [with_grads(f, loss, (0, 1))(*args)
+                 for f in fns]                          # ours first
     _close("value and grads", results[0], results[1], checks, rtol=1e-4)
   return run
 
@@ -264,12 +260,9 @@ def _expert_parallel(context, mesh, checks):
     args = [_put(mesh, a, P(AXIS)) for a in (x, ids, w, experts)]
     f = _shard_map(context, mesh, ours, in_specs=(P(AXIS),) * 4,
                    out_specs=P(AXIS), check_vma=False)
-    loss = lambda g: lambda x, w, e, ids: jnp.sum(jnp.sin(g(x, ids, w, e)))
-    got = (jax.jit(f)(*args),                                   # first call
-           jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(
-               args[0], args[2], args[3], args[1]))
-  want = (jax.jit(plain)(x, ids, w, experts),
-          jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, experts, ids))
+    loss = lambda out: jnp.sum(jnp.sin(out))
+    got = with_grads(f, loss, (0, 2, 3))(*args)                # first call
+  want = with_grads(plain, loss, (0, 2, 3))(x, ids, w, experts)
   _close("value and grads", got, want, checks, rtol=1e-4)
 
 
@@ -426,13 +419,11 @@ def _attention(name):
     with _context(context, mesh):
       args = [order(_put(mesh, a, spec)) for a in (q, k, v)]
       f = _shard_map(context, mesh, attend, in_specs=(spec,) * 3, out_specs=spec)
-      loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
-      out = back(jax.jit(f)(*args))
-      grads = [back(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)]
+      loss = lambda out: jnp.sum(jnp.sin(out))
+      out, grads = with_grads(f, loss, (0, 1, 2))(*args)
+      out, grads = back(out), [back(g) for g in grads]
     dense = lambda *a: _dense_attention(*a, True)
-    # The plain-jax reference jitted: eagerly it would compile op by op.
-    want = jax.jit(lambda *a: (dense(*a), jax.grad(
-        lambda *b: jnp.sum(jnp.sin(dense(*b))), argnums=(0, 1, 2))(*a)))(q, k, v)
+    want = with_grads(dense, loss, (0, 1, 2))(q, k, v)
     _close("output and grads", (out, grads), want, checks, rtol=1e-4)
   return run
 

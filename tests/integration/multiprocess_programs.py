@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_overlap as jo
+from value_and_grads import with_grads
 
 PERM = [(k, (k + 1) % 8) for k in range(8)]
 
@@ -55,10 +56,8 @@ def _futures(mesh):
         y = fut.done()
         return y * jnp.cos(y), side
       return ordered(v)
-    loss = lambda v, body=body: sum(jnp.sum(t ** 2) for t in body(v))
-    xs = _put(mesh, x, P("i"))
-    value = jax.jit(body)(xs)
-    grad = jax.jit(jax.grad(loss))(xs)
+    loss = lambda out: sum(jnp.sum(t ** 2) for t in out)
+    value, grad = with_grads(body, loss)(_put(mesh, x, P("i")))
     out[f"{name}/value"] = _to_host(value[0])
     out[f"{name}/grad"] = _to_host(grad)
   return out
@@ -95,10 +94,9 @@ def _collective_matmul(mesh):
   ):
     f = jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P()), out_specs=out_spec,
                       check_vma=False)
-    loss = lambda x, w, f=f: jnp.sum(jnp.sin(f(x, w)))
     args = (_put(mesh, x, P("i")), _put(mesh, w, P()))
-    value = jax.jit(f)(*args)
-    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+    value, (gx, gw) = with_grads(f, lambda out: jnp.sum(jnp.sin(out)),
+                                  (0, 1))(*args)
     out[f"{name}/value"] = _to_host(value)
     out[f"{name}/grad_x"] = _to_host(gx)
     out[f"{name}/grad_w"] = _to_host(gw)
@@ -115,10 +113,8 @@ def _ordered_program(mesh):
   def f(x, w):
     a = jnp.sin(x * 2.0)
     return jnp.tanh(a @ w) * x + a
-  loss = lambda x, w: jnp.sum(f(x, w) ** 2)
   args = _put(mesh, x, P("i")), _put(mesh, w, P())
-  value = jax.jit(f)(*args)
-  gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+  value, (gx, gw) = with_grads(f, lambda out: jnp.sum(out ** 2), (0, 1))(*args)
   return {"ordered/value": _to_host(value), "ordered/grad_x": _to_host(gx),
           "ordered/grad_w": _to_host(gw)}
 

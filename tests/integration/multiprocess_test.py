@@ -34,7 +34,12 @@ def _free_port() -> int:
 def _run_two_processes(out: pathlib.Path) -> None:
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  # Of XLA_FLAGS only the LLVM optimization level (tests/conftest.py's -O0:
+  # the same HLO, a cheaper compile) goes on; each process sets its devices.
+  kept = [f for f in env.pop("XLA_FLAGS", "").split()
+          if f.startswith("--xla_backend_optimization_level")]
+  if kept:
+    env["XLA_FLAGS"] = " ".join(kept)
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port),
                              str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)

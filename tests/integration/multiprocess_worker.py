@@ -24,7 +24,8 @@ def main():
                              process_id=process_id,
                              initialization_timeout=120)
   import numpy as np  # noqa: PLC0415
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  here = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:0] = [here, os.path.join(os.path.dirname(here), "support")]
   import multiprocess_programs  # noqa: PLC0415
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   results = multiprocess_programs.run_all()
