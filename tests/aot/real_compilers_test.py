@@ -373,9 +373,10 @@ NOT_WARNED_YET: dict = {}
 _TPU_FORM_KIND = {"psum": "all-to-all", "psum_scatter": "all-to-all",
                   "all_to_all": "all-to-all"}
 #: On v5p all_gather_start and psum_scatter_start are N-1 collective-permutes
-#: in flight at once (collectives/permute_forms.py).
+#: in flight at once (collectives/permute_forms.py), and so are both halves
+#: of psum_start's ring (collectives/ring_psum.py).
 _V5P_FORM_KIND = dict(_TPU_FORM_KIND, all_gather="collective-permute",
-                      psum_scatter="collective-permute")
+                      psum_scatter="collective-permute", psum="collective-permute")
 _PERMUTE_FORMS = ("all_gather", "psum_scatter")
 
 
@@ -410,6 +411,20 @@ def test_future_is_an_async_pair_around_the_matmul(name, kind):
       pytest.xfail(NOT_WARNED_YET[name, kind])
     platform = "tpu" if name.startswith("tpu") else "cuda"
     assert any(f"{kind}_start on {platform}" in m for m in warned), warned
+    return
+  if kind == "psum" and permute_gathers(name):
+    # psum_start's ring (collectives/ring_psum.py): its reduce-scatter half
+    # (v5p: N-1 permutes; v5e: the all-to-all) with the matmul in flight,
+    # then its all-gather half as all_gather_start there, N-1 permutes,
+    # started after the matmul (its window empty with one matmul written).
+    futures = schedule.permute_futures(text)
+    gathers = [f for f in futures if f.is_gather]
+    scatters = [f for f in futures if not f.is_gather] if name == "tpu_v5p" \
+        else pairs
+    n = target(name).n
+    assert [len(f.parts) for f in gathers] == [n - 1], futures
+    assert len(scatters) == 1 and scatters[0].matmuls >= 1, (scatters, futures)
+    assert not [m for m in warned if "outside the versions" not in m], warned
     return
   if _permute_form(name, kind):
     # One future of N-1 permutes, every one with the matmul in flight.

@@ -90,7 +90,8 @@ def _hlo_kind(rt, name, kind):
   if rt._permute_form(name, kind):
     return "collective-permute"
   if name.startswith("tpu"):
-    return rt._TPU_FORM_KIND.get(kind, rt._HLO_KIND[kind])
+    forms = rt._V5P_FORM_KIND if name == "tpu_v5p" else rt._TPU_FORM_KIND
+    return forms.get(kind, rt._HLO_KIND[kind])
   return rt._HLO_KIND[kind]
 
 

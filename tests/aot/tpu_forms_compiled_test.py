@@ -38,7 +38,11 @@ from jax_overlap import program_order  # noqa: E402
 from jax_overlap._src import _compat  # noqa: E402
 from jax_overlap._src.collectives import not_async  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
+#: The ring's bytes run on the older jax too (tests/conftest.py, `newest_jax`).
+pytestmark = pytest.mark.newest_jax(
+    older_jax=["test_psum_start_moves_a_ring_all_reduces_bytes"])
+#: Every test but the ring's bytes (which holds on every jax).
+needs_pairs = pytest.mark.skipif(
     not _compat.ASYNC_CUSTOM_CALLS,
     reason="jax < 0.12 lowers a future's halves back to back on TPU")
 
@@ -50,7 +54,7 @@ PAIR = {
                 "psum_scatter": ["all-to-all"], "all_to_all": ["all-to-all"],
                 "ppermute": ["collective-permute"]},
     "tpu_v5p": {"all_gather": ["collective-permute"] * (N - 1),
-                "psum": ["all-to-all"],
+                "psum": ["collective-permute"] * (2 * (N - 1)),
                 "psum_scatter": ["collective-permute"] * (N - 1),
                 "all_to_all": ["all-to-all"],
                 "ppermute": ["collective-permute"]},
@@ -85,6 +89,7 @@ def _future_program(t, kind):
   return fn, (arg(t, (64, 16), P("x")), arg(t, (16, 16)))
 
 
+@needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
 @pytest.mark.parametrize("kind", sorted(PAIR["tpu_v5e"]))
 def test_each_future_is_an_async_pair_around_the_matmul(name, kind):
@@ -93,10 +98,11 @@ def test_each_future_is_an_async_pair_around_the_matmul(name, kind):
   # (v5p: a slice of the psum_scatter's chunks may be an async pair too.)
   windows = [w for w in schedule.windows(text) if w.kind != "slice"]
   assert [w.kind for w in windows] == PAIR[name][kind], windows
-  # (v5e: psum_start's all-gather half starts after half of the window's
-  # matmuls, here after the one there is: nothing is left for its window;
-  # ring_psum.py, and the next test with two.)
-  hidden = windows[:-1] if (name, kind) == ("tpu_v5e", "psum") else windows
+  # (psum_start's all-gather half, one pair on v5e and N-1 permutes on v5p,
+  # starts after half of the window's matmuls, here after the one there is:
+  # nothing is left for its window; ring_psum.py, and the last test with two.)
+  gather = {"tpu_v5e": 1, "tpu_v5p": N - 1}[name] if kind == "psum" else 0
+  hidden = windows[:len(windows) - gather]
   assert all(w.matmuls >= 1 for w in hidden), windows
   assert not warned, warned
 
@@ -131,21 +137,30 @@ def sent_bytes(text, n=N):
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
 def test_psum_start_moves_a_ring_all_reduces_bytes(name):
   # A (64, 16) f32 array over 8 devices: an (8, 16) shard, 512 bytes. A
-  # ring all-reduce sends 2 * 7/8 of it, 896 bytes. v5e: a reduce-scatter
-  # form (an all-to-all of 64-byte chunks) and an all-gather of the summed
-  # chunk (ring_psum.py), 896 bytes; the all-to-all of 8 copies sent 3584, N/2
-  # times that. v5p keeps the copies (its all-gathers are synchronous).
+  # ring all-reduce sends 2 * 7/8 of it, 896 bytes: a reduce-scatter of
+  # 64-byte chunks (v5e: an all-to-all; v5p: 7 permutes) and an all-gather
+  # of the summed chunk (v5e on jax 0.12: an all-gather; v5p, and v5e on jax
+  # < 0.12, where a plain gather of a chunk under 512 bytes is synchronous:
+  # 7 permutes), ring_psum.py. The all-to-all of 8 copies sent 3584, N/2
+  # times that. Every collective an async pair, the first half's with the
+  # matmul in flight.
   t = target(name)
   text, warned = _compile(*_future_program(t, "psum"))
   ring = 2 * (N - 1) / N * 8 * 16 * 4
   got = sent_bytes(text)
-  if name == "tpu_v5e":
-    assert got == ring, (got, ring)
-  else:
-    assert got == N / 2 * ring, (got, ring)
-  assert not warned, warned
+  assert got == ring, (got, ring)
+  windows = [w for w in schedule.windows(text) if w.kind != "slice"]
+  scatter = {"tpu_v5e": ["all-to-all"], "tpu_v5p": ["collective-permute"] * (N - 1)}
+  gather = ["all-gather"] if (name, _compat.ASYNC_CUSTOM_CALLS) == ("tpu_v5e", True) \
+      else ["collective-permute"] * (N - 1)
+  assert [w.kind for w in windows] == scatter[name] + gather, windows
+  assert all(w.matmuls >= 1 for w in windows[:len(scatter[name])]), windows
+  # (jax < 0.12 on v5p: libtpu 0.0.42.1 / 0.0.44.1 is outside the versions
+  # the permute forms were measured on, said once; quirks.py.)
+  assert not [m for m in warned if "outside the versions" not in m], warned
 
 
+@needs_pairs
 @pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
 def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
   # Unfenced, XLA's CSE merged a gather's 7 permutes into one (one operand,
@@ -164,6 +179,7 @@ def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
   assert not warned, warned
 
 
+@needs_pairs
 @pytest.mark.subprocess
 def test_the_form_needs_the_async_all_to_all_option():
   # Premise of the option the library sets (ordering/compile_options.py):
@@ -203,6 +219,7 @@ def _scatter_windows(text):
 REFUSED = "refused the program's schedule"
 
 
+@needs_pairs
 @pytest.mark.parametrize("weights,layers", [(1, 4), (2, 6)])
 def test_fsdp_scan_backward_reduce_scatters_overlap_the_matmuls_on_tpu(
     weights, layers):
@@ -226,6 +243,7 @@ def test_fsdp_scan_backward_reduce_scatters_overlap_the_matmuls_on_tpu(
   assert sum(w.matmuls >= 1 for w in gathers) >= len(gathers) - 1, gathers
 
 
+@needs_pairs
 def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_finished(
     monkeypatch):
   # Without the ties, libtpu refuses 4 layers ("kExceedsOverlapLimit" on an
@@ -253,6 +271,7 @@ def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_fi
   assert sum(w.matmuls >= 1 for w in gathers) >= 2 * 3 - 1, gathers
 
 
+@needs_pairs
 @pytest.mark.parametrize("weights,layers", [(1, 2), (2, 3), (1, 4), (2, 6)])
 def test_fsdp_scan_backward_on_v5p_keeps_its_permutes_in_flight(weights, layers):
   # On v5p libtpu 0.0.52 aborted the process on fsdp_scan's backward over 2
@@ -276,18 +295,20 @@ def test_fsdp_scan_backward_on_v5p_keeps_its_permutes_in_flight(weights, layers)
   assert got >= len(scatters) - 1, scatters
 
 
+@needs_pairs
 def test_several_all_to_all_forms_on_v5p_are_finished_at_once():
   # What is still finished at once on v5p (compile_options.py): several
-  # futures whose form is an all-to-all (psum_start here, one after the
-  # other) in one module; said, and compiled.
+  # futures whose form is an all-to-all (all_to_all_start here, one after
+  # the other; psum_start there is permutes, ring_psum.py) in one module;
+  # said, and compiled.
   t = target("tpu_v5p")
 
   @program_order(enforce=True)
   def body(x, w):
-    a = jax_overlap.psum_start(x, "x")
+    a = jax_overlap.all_to_all_start(x, "x", 0, 0, tiled=True)
     w = jnp.tanh(w @ w)
     a = a.done()
-    b = jax_overlap.psum_start(a * 2, "x")
+    b = jax_overlap.all_to_all_start(a * 2, "x", 0, 0, tiled=True)
     w = jnp.tanh(w @ w)
     return b.done(), w
 
@@ -301,13 +322,16 @@ def test_several_all_to_all_forms_on_v5p_are_finished_at_once():
   assert any("aborts on some programs" in m for m in warned), warned
 
 
-def test_psum_start_ring_halves_each_hide_behind_a_matmul():
+@needs_pairs
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
+def test_psum_start_ring_halves_each_hide_behind_a_matmul(name):
   # Two matmuls written between psum_start and done(): the reduce-scatter
-  # half (an all-to-all) is in flight across the first, the all-gather half
-  # (moved up into the window, ring_psum.advance_second_halves) across the
+  # half (v5e: an all-to-all; v5p: 7 permutes) is in flight across the
+  # first, the all-gather half (v5e: an all-gather; v5p: 7 permutes, moved
+  # up together into the window, ring_psum.advance_second_halves) across the
   # second. Without the move the all-gather starts at done(), its window
   # empty.
-  t = target("tpu_v5e")
+  t = target(name)
 
   @program_order(enforce=True)
   def body(x, w):
@@ -322,7 +346,8 @@ def test_psum_start_ring_halves_each_hide_behind_a_matmul():
   fn = jax.shard_map(f, mesh=t.mesh, in_specs=(P("x"), P()), out_specs=P("x"))
   text, warned = _compile(fn, (arg(t, (64, 16), P("x")), arg(t, (16, 16))))
   windows = [w for w in schedule.windows(text) if w.kind != "slice"]
-  assert [(w.kind, w.matmuls) for w in windows] == [
-      ("all-to-all", 1), ("all-gather", 1)], windows
+  halves = {"tpu_v5e": [("all-to-all", 1), ("all-gather", 1)],
+            "tpu_v5p": [("collective-permute", 1)] * (2 * (N - 1))}
+  assert [(w.kind, w.matmuls) for w in windows] == halves[name], windows
   assert sent_bytes(text) == 2 * (N - 1) / N * 8 * 16 * 4
   assert not warned, warned

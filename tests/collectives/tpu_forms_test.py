@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
-from jax_overlap._src.collectives import tpu_forms
+from jax_overlap._src.collectives import permute_forms, tpu_forms
 
 N = 8
 AXIS = "i"
@@ -28,6 +28,22 @@ AXIS = "i"
 @pytest.fixture
 def forced(monkeypatch):
   monkeypatch.setattr(tpu_forms, "FORCE", True)
+
+
+#: psum_start's ring where all_gather_start is permutes
+#: (collectives/permute_forms.py): on v5p its reduce-scatter half too; on v5e
+#: with jax < 0.12 only its all-gather half.
+PERMUTE_GATHERS = {"v5p": lambda name: True,
+                   "v5e_older": lambda name: name == "all_gather"}
+
+
+@pytest.fixture(params=sorted(PERMUTE_GATHERS))
+def forced_permutes(request, monkeypatch):
+  monkeypatch.setattr(tpu_forms, "FORCE", True)
+  wanted = PERMUTE_GATHERS[request.param]
+  monkeypatch.setattr(permute_forms, "wanted",
+                      lambda name: name in permute_forms.COLLECTIVES and wanted(name))
+  return request.param
 
 
 # name -> (future, jax.lax reference, global shape of x)
@@ -208,3 +224,75 @@ def test_ring_psum_with_work_in_its_window(mesh8, forced):
                                            text)]
   first_gather = order.index("all_gather")
   assert order[:first_gather].count("dot_general") == 1, order
+
+
+@pytest.mark.parametrize("case", sorted(RING_PSUM))
+def test_ring_psum_gathers_by_permutes(mesh8, forced_permutes, case):
+  # Where all_gather_start is N-1 permutes, so is the ring's all-gather
+  # half; its result stays invariant over the axis, as psum's (out_specs
+  # P(): refused if it varied), with psum's values and gradients.
+  start, reference, shape = CASES[case]
+  x = _x(shape)
+
+  def program(fn, enforce):
+    def body(v):
+      if enforce:
+        return jo.program_order(enforce=True)(lambda v: (fn(v), jnp.sin(v)))(v)[0]
+      return fn(v)
+    return jax.shard_map(body, mesh=mesh8, in_specs=P(AXIS), out_specs=P())
+  ours = program(lambda v: start(v).done(), True)
+  ref = program(reference, False)
+  starts = _starts(jax.make_jaxpr(ours)(x))
+  halves = [c.second_half for c in starts if c.name == "ppermute"]
+  assert halves.count(True) == N - 1, starts
+  assert halves.count(False) == (N - 1 if forced_permutes == "v5p" else 0)
+  np.testing.assert_array_equal(jax.jit(ours)(x), jax.jit(ref)(x))
+  cot = _x(jax.eval_shape(ref, x).shape) + 0.5
+  loss = lambda f: lambda v: jnp.sum(f(v) * cot)
+  np.testing.assert_array_equal(jax.jit(jax.grad(loss(ours)))(x),
+                                jax.jit(jax.grad(loss(ref)))(x))
+  under_vmap = lambda f: jax.shard_map(jax.vmap(f), mesh=mesh8,
+                                       in_specs=P(None, AXIS), out_specs=P())
+  xs = jnp.stack([x, x + 1])
+  np.testing.assert_array_equal(
+      jax.jit(under_vmap(lambda v: start(v).done()))(xs),
+      jax.jit(under_vmap(reference))(xs))
+
+
+def test_ring_psum_permute_gather_moves_into_the_window(mesh8, forced_permutes):
+  # The all-gather half's N-1 permute starts move up together, after the
+  # first of the two matmuls written in the window (on v5p after the
+  # reduce-scatter half's N-1 permutes).
+  w = _x((5, 5))
+
+  def body(v):
+    fut = jo.psum_start(v, AXIS)
+    a = jnp.sin(v @ w)
+    a = jnp.cos(a @ w)
+    return fut.done() + a
+  ours = jax.shard_map(lambda v: jo.program_order(enforce=True)(body)(v)[None],
+                       mesh=mesh8, in_specs=P(AXIS), out_specs=P(AXIS))
+  text = jax.jit(ours).lower(_x((N * 2, 5))).as_text()
+  # (The op, or on jax 0.12 its async start: collectives/lowering.py.)
+  order = [m.group(1).replace("-", "_").removesuffix("_start") for m in re.finditer(
+      r"(all_to_all|all-to-all-start|dot_general|collective_permute|"
+      r"collective-permute-start)", text)]
+  scatter = ["collective_permute"] * (N - 1) if forced_permutes == "v5p" \
+      else ["all_to_all"]
+  assert order == (scatter + ["dot_general"] + ["collective_permute"] * (N - 1)
+                   + ["dot_general"]), order
+
+
+def _starts(closed) -> list:
+  """The Comm of each future start in `closed` (nested jaxprs too)."""
+  from jax._src import core  # noqa: PLC0415
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "collective_start":
+        found.append(eqn.params["comm"])
+      for sub in core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(closed.jaxpr)
+  return found

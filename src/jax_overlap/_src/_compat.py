@@ -596,6 +596,17 @@ def varying_axes(x) -> frozenset | None:
   return None if vma is None else frozenset(vma)
 
 
+def invariant_over(aval, axis_name):
+  """`aval` with `axis_name` taken out of the mesh axes it varies over, as
+  jax's `all_gather_invariant` types its result."""
+  mat = getattr(aval, "mat", None)   # 0.10.2 - 0.12
+  if mat is not None:
+    return aval.update(manual_axis_type=mat.update(
+        varying=frozenset(mat.varying) - {axis_name}))
+  vma = getattr(aval, "vma", None)
+  return aval if vma is None else aval.update(vma=frozenset(vma) - {axis_name})
+
+
 # --- per-module compile options ---------------------------------------------------
 
 #: Marks the plain collective op of a future started on jax without the

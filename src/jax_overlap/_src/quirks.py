@@ -47,15 +47,17 @@ SMALL_PLAIN_TPU_GATHER_BYTES = 512
 TABLE = (
     Quirk("tpu-collective-forms", "tpu", None, "libtpu", ("0.0.42.1", "0.0.52"),
           "psum_scatter_start, psum_start and all_to_all_start start an "
-          "all-to-all (their TPU form; psum_start's is a reduce-scatter by "
-          "all-to-all, then an async all-gather of the summed chunk): an async reduce-scatter crashes the "
+          "all-to-all (their TPU form; psum_start's is a reduce-scatter in "
+          "psum_scatter_start's form, then the summed chunk gathered in "
+          "all_gather_start's): an async reduce-scatter crashes the "
           "compiler (AsyncCollectiveReplacer) and an async all-reduce is not "
           "implemented",
           "tests/aot/real_compilers_test.py::test_the_async_pair_still_crashes_libtpu"),
     Quirk("tpu-permute-forms", "tpu", _kinds("TPU v5"), "libtpu",
           ("0.0.52", "0.0.52"),
           "all_gather_start and psum_scatter_start are N-1 collective-permute "
-          "futures: v5p compiles every all-gather synchronous",
+          "futures, and so are both halves of psum_start's ring: v5p "
+          "compiles every all-gather synchronous",
           "tests/aot/tpu_forms_compiled_test.py"),
     Quirk("tpu-plain-permute-gathers", "tpu", _kinds("TPU v5 lite"), "libtpu",
           ("0.0.42.1", "0.0.44.1"),
@@ -63,14 +65,16 @@ TABLE = (
           "collective-permutes, as tpu-permute-forms: libtpu there turns "
           "small plain all-gathers (SMALL_PLAIN_TPU_GATHER_BYTES) into "
           "all-reduces of dynamic-update-slices and combines them into one "
-          "synchronous all-reduce; psum_start keeps its copies form where "
-          "its ring's all-gather half would be that small",
+          "synchronous all-reduce; psum_start's ring gathers its summed "
+          "chunk by these permutes too",
           "tests/aot/real_compilers_test.py::"
           "test_fsdp_scan_forward_gathers_the_next_layer_behind_this_one"),
     Quirk("tpu-sync-all-gather", "tpu", _kinds("TPU v5"), "libtpu",
           ("0.0.52", "0.0.52"),
           "an all_gather_start with no permute form gets its all-to-all "
-          "form: the plain all-gather compiles synchronous there",
+          "form (psum_start's ring never needs it: its all-gather half is "
+          "always permutes there): the plain all-gather compiles "
+          "synchronous there",
           "tests/aot/tpu_forms_compiled_test.py"),
     Quirk("tpu-forms-in-flight", "tpu", _kinds("TPU v5 lite"), "libtpu",
           ("0.0.52", "0.0.52"),

@@ -155,8 +155,14 @@ def _scatter_part(flat, axis):
 
 
 def _gather_part(chunk, axis):
-  """The all-gather half: the plain future (no form chosen for it), typed
-  invariant over `axis` as `psum`'s result is."""
+  """The all-gather half, typed invariant over `axis` as `psum`'s result is:
+  all_gather_start's permute form where it has one (v5p; v5e on jax <
+  0.12), else the plain future (no all-to-all form: ring_psum.py)."""
+  params = dict(axis_name=axis, axis=0, tiled=True)
+  composed = _permute_forms.compose("all_gather", params, chunk, user_frame(),
+                                    invariant=True, second_half=True)
+  if composed is not None:
+    return composed
   return _start_future("all_gather", lambda v: _ring_psum.gather_invariant(v, axis),
                        chunk, second_half=True)
 

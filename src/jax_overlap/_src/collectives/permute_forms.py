@@ -49,8 +49,13 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax._src import ad_util
+from jax._src import core
 from jax._src import source_info_util
 from jax._src import traceback_util
+from jax._src.interpreters import ad
+from jax._src.interpreters import batching
+from jax._src.interpreters import mlir
 
 from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives.comm import Comm, one_bound_axis, trace_sync
@@ -91,13 +96,13 @@ def _mesh_axes() -> tuple:
     return ()
 
 
-def _shift(x, axis, n, k, name, where):
+def _shift(x, axis, n, k, name, where, second_half=False):
   """The ppermute future of `x` to the device `k` further along `axis`,
   reported (if never finished) as the future of `name`."""
   perm = tuple((j, (j + k) % n) for j in range(n))
   jaxpr = trace_sync(lambda v: lax.ppermute(v, axis, perm), x)
   state = FutureState(name, where)
-  comm = Comm("ppermute", jaxpr, state)
+  comm = Comm("ppermute", jaxpr, state, second_half=second_half)
   in_flight, operand = start(comm, x)
   return Future(in_flight, operand, state,
                 lambda value, operand: finish(value, operand, comm))
@@ -136,10 +141,15 @@ def _summed(d, tiled, own, parts):
   return jnp.moveaxis(total, 0, d)
 
 
-def compose(name: str, params: dict, x, where: str) -> Future | None:
+def compose(name: str, params: dict, x, where: str, *, invariant=False,
+            second_half=False) -> Future | None:
   """The future of collective `name` (with the `jax.lax` call's `params`)
   on `x`, made of permutes; None where this form is not used (another
-  platform, several or positional axes, a shape it cannot split)."""
+  platform, several or positional axes, a shape it cannot split).
+  `invariant`: a tiled all-gather along axis 0 whose result is typed
+  invariant over the axis, as `_compat.all_gather_invariant`'s
+  (`gathered_invariant`); `second_half`: its parts are `Comm.second_half`
+  starts (ring_psum.py's all-gather half)."""
   if params is None or not wanted(name):
     return None
   bound = one_bound_axis(params.get("axis_name"))
@@ -150,8 +160,14 @@ def compose(name: str, params: dict, x, where: str) -> Future | None:
     return None   # a vmap axis: the plain future
   if n < 2 or x.size == 0:
     return None
-  out_aval = trace_sync(_reference(name, params), x).out_avals[0]
-  shift = functools.partial(_shift, axis=axis, n=n, name=name, where=where)
+  reference = _reference(name, params)
+  if invariant:
+    if name != "all_gather" or not params["tiled"] or params["axis"] != 0:
+      return None
+    reference = lambda v: _compat.all_gather_invariant(v, axis)
+  out_aval = trace_sync(reference, x).out_avals[0]
+  shift = functools.partial(_shift, axis=axis, n=n, name=name, where=where,
+                            second_half=second_half)
   if name == "all_gather":
     tiled = params["tiled"]
     if params.get("to") is not None or (tiled and x.ndim == 0):
@@ -159,6 +175,8 @@ def compose(name: str, params: dict, x, where: str) -> Future | None:
     a = params["axis"] % (x.ndim + (0 if tiled else 1)) if x.ndim else 0
     parts = [shift(x, k=k) for k in range(1, n)]
     combine = functools.partial(_gathered, axis, n, a, tiled)
+    if invariant:
+      combine = functools.partial(_gathered_invariant, combine, axis)
     return ComposedFuture(name, where, x, parts, combine, out_aval)
   # psum_scatter
   tiled = params["tiled"]
@@ -184,3 +202,53 @@ def _reference(name, params):
   return lambda v: lax.psum_scatter(
       v, axis, scatter_dimension=params["scatter_dimension"],
       tiled=params["tiled"])
+
+
+# --- the gathered buffer typed invariant over the axis --------------------------------
+
+def _gathered_invariant(combine, axis, own, parts):
+  return gathered_invariant(own, combine(own, parts), axis)
+
+
+def gathered_invariant(own, gathered, axis):
+  """`gathered`, the tiled all-gather of `own` along axis 0 made by
+  permutes, typed invariant over `axis` as `_compat.all_gather_invariant(own)`
+  is, and differentiated as that op is: a device's cotangent is its own slice
+  of the result's, and none goes back through the permutes. Every device
+  holds the same buffer, so the type is true; jax cannot see it (a permute's
+  result varies) and has no cast from varying to invariant. Values and
+  gradients: tests/collectives/tpu_forms_test.py, psum_start's ring with its
+  all-gather half as permutes."""
+  return gathered_invariant_p.bind(own, gathered, axis=axis)
+
+
+gathered_invariant_p = core.Primitive("gathered_invariant")
+gathered_invariant_p.def_impl(lambda own, gathered, *, axis: gathered)
+gathered_invariant_p.def_abstract_eval(
+    lambda own, gathered, *, axis: _compat.invariant_over(gathered, axis))
+mlir.register_lowering(gathered_invariant_p,
+                       lambda ctx, own, gathered, *, axis: [gathered])
+
+
+def _gathered_invariant_transpose(ct, own, gathered, *, axis):
+  c = own.aval.shape[0]
+  mine = lax.dynamic_slice_in_dim(ct, lax.axis_index(axis) * c, c, axis=0)
+  return [mine if ad.is_undefined_primal(own) else None,
+          ad_util.Zero(gathered.aval.to_ct_aval())
+          if ad.is_undefined_primal(gathered) else None]
+
+
+ad.deflinear2(gathered_invariant_p, _gathered_invariant_transpose)
+
+
+def _gathered_invariant_batch(args, dims, *, axis):
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  own, gathered = (batching.broadcast(a, size, 0, None) if d is None
+                   else batching.moveaxis(a, d, 0) for a, d in zip(args, dims))
+  # Batched at 0, the gather is along axis 1: moved to the front for the bind.
+  out = gathered_invariant_p.bind(jnp.moveaxis(own, 0, 1),
+                                  jnp.moveaxis(gathered, 0, 1), axis=axis)
+  return jnp.moveaxis(out, 1, 0), 0
+
+
+batching.primitive_batchers[gathered_invariant_p] = _gathered_invariant_batch

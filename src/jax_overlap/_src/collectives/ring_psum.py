@@ -8,32 +8,32 @@ all-reduce. So on TPU `psum_start(x)` over an axis of N devices is:
 * at the start, `psum_scatter_start` of `x` flattened (zeros padded to a
   multiple of N): its own TPU form (an all-to-all of chunks on v5e, N - 1
   permutes on v5p), (N - 1)/N of the buffer from each device, in flight;
-* after it, that future finished and its chunk gathered back by an
-  all-gather whose result is invariant over the axis (`psum`'s type),
-  (N - 1)/N of the buffer again; at `done()` the padding is cut off.
+* after it, that future finished and its chunk gathered back in
+  `all_gather_start`'s form there (an all-gather; N - 1 permutes on v5p and
+  on v5e with jax < 0.12, where a plain all-gather is synchronous: quirks
+  "tpu-permute-forms", "tpu-plain-permute-gathers"), its result invariant
+  over the axis (`psum`'s type; the permutes' by
+  `permute_forms.gathered_invariant`), (N - 1)/N of the buffer again; at
+  `done()` the padding is cut off.
 
-2 (N - 1)/N of the buffer in all, a ring's bytes (tests/aot/
-tpu_forms_compiled_test.py::test_psum_start_moves_a_ring_all_reduces_bytes).
+2 (N - 1)/N of the buffer in all, a ring's bytes, each half async
+(tests/aot/tpu_forms_compiled_test.py::
+test_psum_start_moves_a_ring_all_reduces_bytes, v5e and v5p, every jax).
 The all-gather can start only once the sum is known. Traced, it is started by
 `done()`; an ordered block lowers it earlier, inside the reduce-scatter's
 window after half of the matmuls written there (`advance_second_halves`), so
 each half is in flight across part of the window. With no matmul written
 there it starts after half of the window's equations.
 
-On a TPU generation that compiles every all-gather synchronous (v5p, quirk
-"tpu-sync-all-gather") the copies form stays: there the all-gather half
-would be a synchronous collective the user is told about, and the copies
-form keeps the whole sum in flight. So do buffers where the padded ring
-would send no fewer bytes than the copies, 2 ceil(S / N) >= S elements of S:
-a scalar, two elements, any buffer over two devices (one collective, not
-two; tests/aot/fsdp_settings_compiled_test.py's HSDP replicas); and, with
-jax < 0.12 on v5e, buffers whose chunk libtpu would gather synchronously
-(`_small_plain_gather`).
+Buffers where the padded ring would send no fewer bytes than the copies,
+2 ceil(S / N) >= S elements of S, keep the copies form: a scalar, two
+elements, any buffer over two devices (one collective, not two;
+tests/aot/fsdp_settings_compiled_test.py's HSDP replicas).
 
 Values: each chunk is summed on one device, so every device gets the same
 value; it matches `jax.lax.psum` up to the order of the sum
 (tests/collectives/tpu_forms_test.py checks values and gradients on CPU with
-`tpu_forms.FORCE`, the all-gather moved up or not).
+`tpu_forms.FORCE`, the all-gather moved up or not, and as permutes).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from jax._src import core
 from jax._src import source_info_util
 from jax._src import traceback_util
 
-from jax_overlap._src import _compat, quirks
+from jax_overlap._src import _compat
 from jax_overlap._src.collectives import tpu_forms
 from jax_overlap._src.collectives.comm import one_bound_axis
 from jax_overlap._src.collectives.composed import ComposedFuture
@@ -69,10 +69,10 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
             gather_start: Callable) -> Future | None:
   """The future of `jax.lax.psum(x, axis_name)` as a reduce-scatter then an
   all-gather (`scatter_start(flat, axis)` and `gather_start(chunk, axis)`
-  start each), or None where `psum_start` keeps its own form: off TPU, on
-  v5p, a vmap axis, several or positional axes, a non-numeric dtype, or a
-  buffer the ring would not send in fewer bytes."""
-  if not tpu_forms.wanted("psum") or _gather_is_sync():
+  start each), or None where `psum_start` keeps its own form: off TPU, a
+  vmap axis, several or positional axes, a non-numeric dtype, or a buffer
+  the ring would not send in fewer bytes."""
+  if not tpu_forms.wanted("psum"):
     return None
   bound = one_bound_axis(axis_name)
   if bound is None:
@@ -84,8 +84,6 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
   if not jnp.issubdtype(x.dtype, jnp.number) or \
       2 * -(-x.size // n) >= x.size:
     return None   # the ring (padded) would send no fewer bytes than the copies
-  if _small_plain_gather(-(-x.size // n) * x.dtype.itemsize):
-    return None   # its all-gather half would be synchronous: the copies
   out_aval = jax.eval_shape(lambda v: jax.lax.psum(v, axis), x)
   flat = x.reshape(-1)
   padded = -(-flat.size // n) * n
@@ -108,26 +106,6 @@ def gather_invariant(chunk, axis):
   return _compat.all_gather_invariant(chunk, axis)
 
 
-def _small_plain_gather(chunk_bytes: int) -> bool:
-  """Whether the all-gather half, a plain collective (jax < 0.12), is small
-  enough that libtpu makes it a synchronous all-reduce (quirk
-  "tpu-plain-permute-gathers"): the copies form keeps the whole sum in
-  flight instead (tests/aot/real_compilers_test.py::
-  test_future_is_an_async_pair_around_the_matmul, psum on v5e, older jax)."""
-  if not _compat.IN_FLIGHT_LEFT_UNFENCED or tpu_forms.FORCE:
-    return False
-  platform, kind = _compat.trace_device()
-  return (chunk_bytes < quirks.SMALL_PLAIN_TPU_GATHER_BYTES
-          and quirks.applies("tpu-plain-permute-gathers", platform, kind))
-
-
-def _gather_is_sync() -> bool:
-  if tpu_forms.FORCE:
-    return False
-  platform, kind = _compat.trace_device()
-  return quirks.applies("tpu-sync-all-gather", platform, kind)
-
-
 # --- the all-gather inside the window ----------------------------------------------
 
 _MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -141,30 +119,38 @@ def _has_matmul(eqn) -> bool:
 
 
 def _second_half_chain(eqns, g, producer):
-  """(index of the first half's start, indices of the equations from its
-  done to the second half's start at `g`), or None where the start's
-  operand does not come from one future's done by local equations."""
-  chain, stack, first = {g}, [g], None
+  """(index of the first half's last start, indices of the equations from
+  its dones to the second half's start at `g`), or None where the start's
+  operand does not come by local equations from the dones of one future
+  (one collective, or its parts: v5p's N-1 permutes). Equations up to the
+  last other start before `g` are inputs, not part of the chain: `done()`
+  writes the chain after every start of the window."""
+  floor = max((k for k in range(g) if eqns[k].primitive.name == "collective_start"
+               and not getattr(eqns[k].params.get("comm"), "second_half", False)),
+              default=-1)
+  chain, stack, firsts, owner = {g}, [g], [], None
   while stack:
     for v in eqns[stack.pop()].invars:
       p = producer.get(v) if isinstance(v, core.Var) else None
-      if p is None or p in chain:
+      if p is None or p in chain or p <= floor:
         continue
       eqn = eqns[p]
       if eqn.primitive.name == "collective_done":
         start = producer.get(eqn.invars[0])
         if start is None or eqns[start].primitive.name != "collective_start":
           return None
-        if first is not None and first != start:
+        state = eqns[start].params["comm"].state
+        if owner not in (None, (state.collective, state.where)):
           return None
-        first = start
+        owner = (state.collective, state.where)
+        firsts.append(start)
         chain.add(p)
         continue
       if eqn.effects:
         return None
       chain.add(p)
       stack.append(p)
-  return None if first is None else (first, sorted(chain))
+  return (max(firsts), sorted(chain)) if firsts else None
 
 
 def _midpoint(eqns, first: int, until: int) -> int:
@@ -184,7 +170,8 @@ def advance_second_halves(jaxpr):
   ordered block both halves of psum_start's ring form are in flight
   (tests/aot/tpu_forms_compiled_test.py::
   test_psum_start_ring_halves_each_hide_behind_a_matmul). Equations are only
-  moved up, and only ones every input of which is ready there; a jaxpr with
+  moved up, and only ones every input of which is ready there; the starts
+  of one second half's parts (its N-1 permutes) move together; a jaxpr with
   no such start is returned as it is."""
   eqns = list(jaxpr.eqns)
   starts = [k for k, e in enumerate(eqns)
@@ -192,17 +179,26 @@ def advance_second_halves(jaxpr):
             and getattr(e.params.get("comm"), "second_half", False)]
   if not starts:
     return jaxpr
+  producer = {v: k for k, e in enumerate(eqns) for v in e.outvars
+              if not isinstance(v, core.DropVar)}
+  groups: dict = {}   # first half's start -> the equations its second half moves
   for g in starts:
-    g = next(k for k, e in enumerate(eqns) if e is jaxpr.eqns[g])
+    found = _second_half_chain(eqns, g, producer)
+    if found is not None:
+      first_eqn = eqns[found[0]]
+      groups.setdefault(id(first_eqn), (first_eqn, []))[1].extend(
+          eqns[k] for k in found[1])
+  for first_eqn, chain_eqns in groups.values():
+    position = {id(e): k for k, e in enumerate(eqns)}
+    first = position[id(first_eqn)]
+    chain = sorted({position[id(e)] for e in chain_eqns})
     producer = {v: k for k, e in enumerate(eqns) for v in e.outvars
                 if not isinstance(v, core.DropVar)}
-    found = _second_half_chain(eqns, g, producer)
-    if found is None:
+    until = min(k for k in chain if eqns[k].primitive.name == "collective_done")
+    m = _midpoint(eqns, first, until)
+    if m >= until:
       continue
-    first, chain = found
-    m = _midpoint(eqns, first, chain[0])
-    if m >= chain[0]:
-      continue
+    chain = [k for k in chain if k >= m]   # (those before m stay: ready there)
     ready = all(producer.get(v, -1) < m or producer.get(v) in chain
                 for k in chain for v in eqns[k].invars
                 if isinstance(v, core.Var))

@@ -14,7 +14,8 @@ is on (set for such modules by `ordering/compile_options.py`). So on TPU:
   all-to-all of N copies (an all-gather: N/2 times the bytes of a ring
   all-reduce, all of it in flight), and `done()` sums them in device order;
   used only where ring_psum.py's form (a reduce-scatter, then an all-gather:
-  a ring's bytes) is not: v5p, and buffers smaller than the axis;
+  a ring's bytes) is not: buffers the padded ring would not send in fewer
+  bytes (a scalar, two elements, an axis of two devices);
 * `all_to_all_start`: the split axis moved to the front and the buffer made
   rank 3 for the exchange, put back by `done()`;
 * `all_gather_start` on v5p: an all-to-all of N copies of the buffer.

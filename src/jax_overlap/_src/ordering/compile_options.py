@@ -30,7 +30,8 @@ test_fsdp_scan_buckets_overlap_the_reduce_scatters_on_tpu pins it).
 
 A TPU module that holds an async all-to-all (the TPU form of
 `psum_scatter_start`, `psum_start` and `all_to_all_start`, on v5p of
-`psum_start` and `all_to_all_start`: collectives/tpu_forms.py) also gets
+`all_to_all_start`, and of `psum_start` where its ring does not apply:
+collectives/tpu_forms.py) also gets
 `xla_tpu_enable_async_all_to_all=True`: without it the TPU compiler crashes
 on the pair (SIGSEGV), with it the all-to-all is async on v5e and v5p
 (tests/aot/tpu_forms_compiled_test.py::
@@ -56,7 +57,8 @@ holding several such futures:
   (tests/aot/tpu_forms_compiled_test.py::
   test_several_all_to_all_forms_on_v5p_are_finished_at_once). On v5p
   fsdp_scan's gathers and reduce-scatters are permutes, so this is left to
-  programs with several `psum_start` / `all_to_all_start` futures.
+  programs with several `all_to_all_start` futures (or `psum_start`s of a
+  scalar).
 
 A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
 (`ordering/gpu_ties.py`) gets the GPU bound raised to the number of
