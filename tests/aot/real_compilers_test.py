@@ -295,6 +295,21 @@ def two_axes_gather_program(t, rows):
                                    sharding=NamedSharding(mesh, P())))
 
 
+def plain_gather_program(t, ordered):
+  """A plain `jax.lax.all_gather` with a matmul written after it, in an
+  ordered block (`ordered`) or left to XLA."""
+  def body(x, w):
+    return jax.lax.all_gather(x, "x", tiled=True), jnp.tanh(w @ w)
+  if ordered:
+    body = program_order(enforce=True)(body)
+
+  def f(x, w):
+    a, y = body(x, w)
+    return (a.sum() + y.sum())[None]
+  return _smap(t, f, (P("x"), P())), (arg(t, (16 * t.n, 16), P("x")),
+                                      arg(t, (128, 128)))
+
+
 def _use_mesh(mesh):
   return (jax.set_mesh(mesh) if hasattr(jax, "set_mesh")
           else jax.sharding.use_mesh(mesh))
@@ -313,7 +328,8 @@ def _compile(name, case, *extra):
 PROGRAMS = {"future": future_program, "fsdp": fsdp_program,
             "fsdp_explicit": fsdp_explicit_program, "dp_tp": dp_tp_program,
             "collective_matmul": collective_matmul_program,
-            "fsdp_ends": fsdp_ends_program, "two_axes_gather": two_axes_gather_program}
+            "fsdp_ends": fsdp_ends_program, "two_axes_gather": two_axes_gather_program,
+            "plain_gather": plain_gather_program}
 EXPLICIT_PROGRAMS = {"fsdp_explicit"}
 
 
@@ -455,6 +471,22 @@ def test_a_small_gather_over_two_axes_is_async_or_said(name):
     else:
       assert len(gathers) == 1 and gathers[0].matmuls >= 1, schedule.windows(text)
       assert not said, warned
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def test_a_plain_gather_in_an_ordered_block_is_said(name):
+  # Left to XLA, a plain all-gather compiles async; in an ordered block the
+  # fences keep it synchronous, and the library says so once, naming the
+  # collective and its future (collectives/not_async.py).
+  free, free_warned = _compile(name, "plain_gather", False)
+  assert _async(free, "all-gather") and not free_warned, (
+      schedule.windows(free), free_warned)
+  fenced, warned = _compile(name, "plain_gather", True)
+  assert not _async(fenced, "all-gather"), schedule.windows(fenced)
+  said = [m for m in warned if "inside an ordered block" in m]
+  assert len(said) == 1, warned
+  assert "jax.lax.all_gather" in said[0], said
+  assert "jax_overlap.all_gather_start" in said[0], said
 
 
 #: (jax, target, future) -> why its pair has nothing in its window there

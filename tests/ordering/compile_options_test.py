@@ -162,6 +162,16 @@ def test_fenced_synchronous_collective_is_found():
                    "cuda", jnp.ones(8)).compiler_ir()
   assert compile_options.fenced_sync_collectives(plain) == []
 
+  # The block's first equation reads the block's inputs: fenced all the same.
+  def first(x):
+    @program_order(enforce=True)
+    def f(x):
+      return jax.lax.all_gather(x, "i", tiled=True), jnp.sin(x)
+    g, y = f(x)
+    return g[:8] + y.sum()
+  module = _lowered(first, "cuda", jnp.ones(8)).compiler_ir()
+  assert compile_options.fenced_sync_collectives(module) == ["all_gather"]
+
 
 _REFUSAL = RuntimeError(
     "INTERNAL: FindAndExtractBestNodeAvailable failed to find a node to "

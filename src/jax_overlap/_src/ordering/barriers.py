@@ -53,8 +53,10 @@ _READS_DEVICE_POSITION = frozenset({"axis_index"})
 
 #: Synchronous collectives (jax primitive names, across our versions). One
 #: that ends a block gets its outputs fenced too, as every other equation's
-#: are by the next one's barrier: a collective inside an ordered block is
-#: then one that both reads and feeds a barrier, which is how
+#: are by the next one's barrier, and one that starts a block its inputs, as
+#: every other equation's are by its own (tests/aot/real_compilers_test.py::
+#: test_a_plain_gather_in_an_ordered_block_is_said): a collective inside an
+#: ordered block is then one that both reads and feeds a barrier, which is how
 #: `compile_options.fenced_sync_collectives` tells it from one that merely
 #: reads a block's result after the block (jax's psum of a replicated
 #: input's gradient), which XLA stays free to overlap.
@@ -115,6 +117,9 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     literal = [_is_constant(v) for v in eqn.invars]
     carry = prev is not None
     if prev is None:
+      if (len(jaxpr.eqns) > 1 and eqn.primitive.name in _SYNC_COLLECTIVES
+          and not all(literal)):
+        invals = _fence_inputs(invals, literal)
       outs = _compat.bind_eqn(eqn, invals)
     elif eqn.primitive.name in _READS_DEVICE_POSITION:
       outs = _compat.bind_eqn(eqn, invals)
@@ -173,6 +178,16 @@ def _is_constant(atom) -> bool:
 
 def _constant(atom):
   return atom.val if isinstance(atom, core.Literal) else atom
+
+
+def _fence_inputs(invals, literal):
+  """`invals` with its non-literal values through one barrier."""
+  kept = [i for i, lit in enumerate(literal) if not lit]
+  fenced = _compat.barrier([invals[i] for i in kept])
+  invals = list(invals)
+  for i, v in zip(kept, fenced):
+    invals[i] = v
+  return invals
 
 
 def _fence_with_token(prev, prev_vals, token, in_flight):
