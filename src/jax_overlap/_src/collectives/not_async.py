@@ -34,6 +34,10 @@ _warned: set[str] = set()
 #: fenced in an ordered block".
 SYNC_FUTURE_ATTR = "jax_overlap.sync_future"
 
+#: The named scope a synchronous collective that starts an ordered block is
+#: bound in (ordering/barriers.py): found by its location at compile time.
+FENCED_SCOPE = "jax_overlap.fenced_collective"
+
 
 class CollectiveNotAsyncWarning(UserWarning):
   """A collective compiles synchronous where the program asked for overlap.

@@ -32,13 +32,15 @@ stay where they are (the other values keep them).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple, Sequence
 
+import jax
 from jax._src import core
 from jax._src.pjit import jit_p
 
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import ring_psum
+from jax_overlap._src.collectives import not_async, ring_psum
 from jax_overlap._src.ordering.primitive import is_free_block
 
 
@@ -53,10 +55,8 @@ _READS_DEVICE_POSITION = frozenset({"axis_index"})
 
 #: Synchronous collectives (jax primitive names, across our versions). One
 #: that ends a block gets its outputs fenced too, as every other equation's
-#: are by the next one's barrier, and one that starts a block its inputs, as
-#: every other equation's are by its own (tests/aot/real_compilers_test.py::
-#: test_a_plain_gather_in_an_ordered_block_is_said): a collective inside an
-#: ordered block is then one that both reads and feeds a barrier, which is how
+#: are by the next one's barrier: a collective inside an ordered block is
+#: then one that both reads and feeds a barrier, which is how
 #: `compile_options.fenced_sync_collectives` tells it from one that merely
 #: reads a block's result after the block (jax's psum of a replicated
 #: input's gradient), which XLA stays free to overlap.
@@ -117,10 +117,8 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     literal = [_is_constant(v) for v in eqn.invars]
     carry = prev is not None
     if prev is None:
-      if (len(jaxpr.eqns) > 1 and eqn.primitive.name in _SYNC_COLLECTIVES
-          and not all(literal)):
-        invals = _fence_inputs(invals, literal)
-      outs = _compat.bind_eqn(eqn, invals)
+      with _scope_of(eqn, len(jaxpr.eqns)):
+        outs = _compat.bind_eqn(eqn, invals)
     elif eqn.primitive.name in _READS_DEVICE_POSITION:
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
@@ -169,6 +167,17 @@ class _Outputs(NamedTuple):
   outvars: list
 
 
+def _scope_of(eqn, count: int):
+  """`not_async.FENCED_SCOPE` for a synchronous collective that starts a
+  block of more than one equation: it reads the block's inputs, which no
+  barrier fences, so `compile_options.fenced_sync_collectives` tells it by
+  this scope in its location (the others by their barriers; tests/aot/
+  real_compilers_test.py::test_a_plain_gather_in_an_ordered_block_is_said)."""
+  if count > 1 and eqn.primitive.name in _SYNC_COLLECTIVES:
+    return jax.named_scope(not_async.FENCED_SCOPE)
+  return contextlib.nullcontext()
+
+
 def _is_constant(atom) -> bool:
   """A literal, or a bare constant: older jax's jax_remat3 leaves some
   arrays in a jaxpr's equations unwrapped (jax's own evaluator then fails on
@@ -178,16 +187,6 @@ def _is_constant(atom) -> bool:
 
 def _constant(atom):
   return atom.val if isinstance(atom, core.Literal) else atom
-
-
-def _fence_inputs(invals, literal):
-  """`invals` with its non-literal values through one barrier."""
-  kept = [i for i, lit in enumerate(literal) if not lit]
-  fenced = _compat.barrier([invals[i] for i in kept])
-  invals = list(invals)
-  for i, v in zip(kept, fenced):
-    invals[i] = v
-  return invals
 
 
 def _fence_with_token(prev, prev_vals, token, in_flight):

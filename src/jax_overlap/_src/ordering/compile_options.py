@@ -138,7 +138,8 @@ def fenced_sync_collectives(computation) -> list[str]:
   """The synchronous collectives of an MLIR module fenced on both sides:
   reading a value an `optimization_barrier` made and feeding one, as every
   collective inside an ordered block does (barriers.py fences the outputs of
-  one that ends a block). One that only reads a block's result, after it,
+  one that ends a block), or, where it starts the block and reads the block's
+  inputs, bound in `not_async.FENCED_SCOPE` and feeding one. One that only reads a block's result, after it,
   is left to XLA and not said; nor is a future that had to be lowered
   synchronously (it was said already)."""
   found: list[str] = []
@@ -146,6 +147,9 @@ def fenced_sync_collectives(computation) -> list[str]:
   def visit(op):
     if op.name in _SYNC_COLLECTIVES and not_async.SYNC_FUTURE_ATTR not in op.attributes \
         and _compat.IN_FLIGHT_ATTR not in op.attributes:
+      if not_async.FENCED_SCOPE in str(op.location) and _feeds_a_barrier(op):
+        found.append(_SYNC_COLLECTIVES[op.name])   # a block's first equation
+        return ir.WalkResult.ADVANCE
       for operand in op.operands:
         owner = operand.owner
         if isinstance(owner, ir.Block):
