@@ -93,6 +93,33 @@ def mesh8():
   return meshes.make((8,), ("i",))
 
 
+# --- shared compiles ------------------------------------------------------------------
+# `shared_compiles` (module scope; a file opts in with
+# `pytestmark = pytest.mark.usefixtures("shared_compiles")`): jax's own
+# persistent compilation cache, in a directory of the module's, for the
+# module's tests. An eager shard_map compiles each op alone, the same small
+# programs cell after cell; a cached executable is one compile of the same
+# module text and compile options (ours included: they are in jax's key), so
+# the values are the same. The cache is off again after the module: a test
+# that counts or watches compiles never sees it, nor does a subprocess
+# (compile_hook_test::test_compiles_are_not_cached_here pins it).
+
+@pytest.fixture(scope="module")
+def shared_compiles(tmp_path_factory):
+  from jax._src import compilation_cache  # noqa: PLC0415
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  before = {n: getattr(jax.config, n) for n in names}
+  jax.config.update(names[0], str(tmp_path_factory.mktemp("compiles")))
+  jax.config.update(names[1], 0)
+  jax.config.update(names[2], -1)
+  compilation_cache.reset_cache()  # jax decides once a process whether to use it
+  yield
+  for name, value in before.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
 # --- CPU seconds a test (for CI's time budget) ------------------------------------
 # With JAX_OVERLAP_CPU_LOG=DIR each test process appends "SECONDS NODEID" lines to
 # DIR/cpu-PID.txt: the process's user + system CPU seconds over the test's setup, call

@@ -35,6 +35,10 @@ from jax_overlap import FutureNotFinishedError, FutureNotFinishedWarning
 
 from ragged_reference import dense_reference
 
+# Eager cells compile each op alone, the same small programs again and again:
+# shared through jax's persistent cache (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("shared_compiles")
+
 PERM = [(0, 1), (1, 0)]
 HAS_AXIS_TYPES = hasattr(jax.sharding, "AxisType")
 

@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap import fsdp_scan
 
+# The same small programs compile case after case: shared (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("shared_compiles")
+
 L = 3
 
 

@@ -71,3 +71,10 @@ def test_a_module_the_library_does_not_own_passes_through(monkeypatch):
   assert compile_hook.owns(lowered.compiler_ir())
   lowered.compile()
   assert len(seen) == 1
+
+
+def test_compiles_are_not_cached_here():
+  # conftest's `shared_compiles` turns jax's persistent cache on for the
+  # modules that ask for it and off after them: the compiles these tests watch
+  # must be real ones. With no directory, jax's cache reads and writes nothing.
+  assert jax.config.jax_compilation_cache_dir is None

@@ -29,6 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_overlap as jo
 
+# The same small programs compile case after case: shared (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("shared_compiles")
+
 HAS_EXPLICIT = hasattr(jax.sharding, "AxisType") and hasattr(jax, "reshard")
 
 L, D, H, NH, HD, B, S = 3, 16, 32, 2, 8, 16, 4
