@@ -107,17 +107,19 @@ def mesh8():
 @pytest.fixture(scope="module")
 def shared_compiles(tmp_path_factory):
   from jax._src import compilation_cache  # noqa: PLC0415
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  before = {n: getattr(jax.config, n) for n in names}
-  jax.config.update(names[0], str(tmp_path_factory.mktemp("compiles")))
-  jax.config.update(names[1], 0)
-  jax.config.update(names[2], -1)
-  compilation_cache.reset_cache()  # jax decides once a process whether to use it
+  settings = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("compiles")),
+              "jax_persistent_cache_min_compile_time_secs": 0,
+              "jax_persistent_cache_min_entry_size_bytes": -1}
+  before = {name: getattr(jax.config, name) for name in settings}
+
+  def use(values):
+    for name, value in values.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()  # jax decides once a process whether to use it
+
+  use(settings)
   yield
-  for name, value in before.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+  use(before)
 
 
 # --- CPU seconds a test (for CI's time budget) ------------------------------------

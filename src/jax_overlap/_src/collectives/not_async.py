@@ -67,21 +67,14 @@ def warn_future_lowered_sync(platform: str, name: str, why: str) -> None:
       f"category=jax_overlap.CollectiveNotAsyncWarning)."))
 
 
-#: The future that overlaps each plain collective (`fenced_sync_collectives`'
-#: names).
-FUTURE_OF_PLAIN = {"all_gather": "all_gather_start", "psum": "psum_start",
-                   "psum_scatter": "psum_scatter_start",
-                   "all_to_all": "all_to_all_start", "ppermute": "ppermute_start"}
-
-
 def warn_fenced_sync_collective(platform: str, op_names: list[str]) -> None:
   """Says once per (platform, ops) that the fences keep these plain
-  collectives synchronous, naming each one's future (tests/aot/
-  real_compilers_test.py::test_a_plain_gather_in_an_ordered_block_is_said)."""
+  collectives synchronous, naming each one's future: `op_names` are jax.lax
+  names, and each has its `_start` (tests/aot/real_compilers_test.py::
+  test_a_plain_gather_in_an_ordered_block_is_said)."""
   names = sorted(set(op_names))
   ops = ", ".join(f"jax.lax.{n}" for n in names)
-  futures = ", ".join(f"jax_overlap.{FUTURE_OF_PLAIN.get(n, n + '_start')}"
-                      for n in names)
+  futures = ", ".join(f"jax_overlap.{n}_start" for n in names)
   warn_once(f"fenced:{platform}:{ops}", (
       f"program_order: a synchronous collective ({ops}) inside an ordered "
       f"block, compiled for {platform}: the fences keep it synchronous, where "

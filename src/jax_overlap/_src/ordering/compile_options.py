@@ -134,30 +134,32 @@ def _feeds_a_barrier(op) -> bool:
     return True
 
 
+def _reads_a_barrier(op) -> bool:
+  """Whether the first of `op`'s operands that an operation made (not a block
+  argument) is an `optimization_barrier`'s result."""
+  for operand in op.operands:
+    if not isinstance(operand.owner, ir.Block):
+      return _is_barrier(operand.owner)
+  return False
+
+
 def fenced_sync_collectives(computation) -> list[str]:
-  """The synchronous collectives of an MLIR module fenced on both sides:
-  reading a value an `optimization_barrier` made and feeding one, as every
+  """The synchronous collectives of an MLIR module fenced on both sides,
+  feeding an `optimization_barrier` and either reading one's result, as every
   collective inside an ordered block does (barriers.py fences the outputs of
   one that ends a block), or, where it starts the block and reads the block's
-  inputs, bound in `not_async.FENCED_SCOPE` and feeding one. One that only reads a block's result, after it,
-  is left to XLA and not said; nor is a future that had to be lowered
-  synchronously (it was said already)."""
+  inputs, bound in `not_async.FENCED_SCOPE`. One that only reads a block's
+  result, after it, is left to XLA and not said; nor is a future that had to
+  be lowered synchronously (it was said already)."""
   found: list[str] = []
 
   def visit(op):
-    if op.name in _SYNC_COLLECTIVES and not_async.SYNC_FUTURE_ATTR not in op.attributes \
-        and _compat.IN_FLIGHT_ATTR not in op.attributes:
-      if not_async.FENCED_SCOPE in str(op.location) and _feeds_a_barrier(op):
-        found.append(_SYNC_COLLECTIVES[op.name])   # a block's first equation
-        return ir.WalkResult.ADVANCE
-      for operand in op.operands:
-        owner = operand.owner
-        if isinstance(owner, ir.Block):
-          continue
-        if _is_barrier(owner):
-          if _feeds_a_barrier(op):
-            found.append(_SYNC_COLLECTIVES[op.name])
-          break
+    if (op.name in _SYNC_COLLECTIVES
+        and not_async.SYNC_FUTURE_ATTR not in op.attributes
+        and _compat.IN_FLIGHT_ATTR not in op.attributes
+        and (not_async.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
+        and _feeds_a_barrier(op)):
+      found.append(_SYNC_COLLECTIVES[op.name])
     return ir.WalkResult.ADVANCE
   try:
     computation.operation.walk(visit)
