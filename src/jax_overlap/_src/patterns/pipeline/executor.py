@@ -153,7 +153,7 @@ def _branches(stage_fn, loss_fn, m, with_grads, zero_act, vary):
       state, params, xs, targets, i, j, s = ops
       state = dict(state)
       x, dy = at(state["inputs"], s), at(state["dys"], s)
-      w = chunk_of(params, j)
+      w = jax.tree.map(vary, chunk_of(params, j))
       dx = None
       if inputs_grad and weights_grad:
         _, vjp = jax.vjp(stage_fn, w, x)
