@@ -230,6 +230,7 @@ class Plan:
   tensor: str = "collective"
   microbatches: int = 2
   schedule: str = "1f1b"
+  devices: tuple | None = None   # default: the first of jax.devices()
 
   def __post_init__(self):
     names = set(self.axes)
@@ -243,10 +244,10 @@ class Plan:
 
   @property
   def mesh(self):
-    n = int(np.prod(list(self.axes.values())))
-    return jax.make_mesh(tuple(self.axes.values()), tuple(self.axes),
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(self.axes),
-                         devices=jax.devices()[:n])
+    shape = tuple(self.axes.values())
+    devices = self.devices or jax.devices()[:int(np.prod(shape))]
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(self.axes),
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
   @property
   def stages(self) -> int:
@@ -342,7 +343,7 @@ class Plan:
                          for a in (tokens, targets))
     batch = self.batch_spec()
     return jax.shard_map(self._body, mesh=self.mesh,
-                         in_specs=(self.specs(self.unstage(staged)), batch, batch),
+                         in_specs=(self.specs(staged), batch, batch),
                          out_specs=P())(staged, tokens, targets)
 
   def _body(self, params, tokens, targets):
