@@ -158,12 +158,11 @@ class Work:
     zeros = lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_out))
     l, aux, dy, dconsts, dtarget = _maybe(on, "loss" in model.collective,
                                           loss_out, zeros, self.vary)
-    state["loss"] = state["loss"] + jnp.where(on, l, 0.0).astype(jnp.float32) \
-        if on is not True else state["loss"] + l.astype(jnp.float32)
+    (state["loss"],) = _accumulate([state["loss"]], [l], on)
     state["aux"] = jax.tree.map(lambda a, v: _put(a, v, i, on), state["aux"], aux)
     if self.with_grads:
       state["dys"] = [_put(a, d / m, s, on) for a, d in zip(state["dys"], dy)]
-      state["dconsts"] = _accumulate(state["dconsts"], dconsts, on)
+      state["dconsts"] = _accumulate(state["dconsts"], [d / m for d in dconsts], on)
       state["dtargets"] = [_add_at(a, d / m, i, on)
                            for a, d in zip(state["dtargets"], dtarget)]
     return self._out(state, fwd=y)
