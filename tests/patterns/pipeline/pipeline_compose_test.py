@@ -147,3 +147,51 @@ def test_ulysses_inside_a_stage():
   w, xs, ts = _data(2, batch=2, seq=4, scale=(D,), q=(D, D), k=(D, D), v=(D, D))
   loss = _pipelined(stage, _mesh(2, 2, "cp"), P("pp"), P(None, None, "cp"), "cp")
   _check(loss, _sequential(_attention_stage(_dense)), w, xs, ts)
+
+
+# --- a collective-permute inside a stage (lockstep dispatch) ----------------
+# Before lockstep dispatch each of these aborted the process: XLA:CPU's
+# rendezvous waited 40 s for devices that had taken another switch branch.
+
+def test_ring_attention_inside_a_stage():
+  stage = _attention_stage(lambda q, k, v: ring_attention(q, k, v, axis="cp"))
+  w, xs, ts = _data(2, batch=2, seq=4, scale=(D,), q=(D, D), k=(D, D), v=(D, D))
+  loss = _pipelined(stage, _mesh(2, 2, "cp"), P("pp"), P(None, None, "cp"), "cp")
+  _check(loss, _sequential(_attention_stage(_dense)), w, xs, ts)
+
+
+def test_collective_matmul_inside_a_stage():
+  """Sequence-parallel MLP: gather the rows while multiplying, scatter the
+  sums while multiplying; the norm scale replicated over 'tp'."""
+  def stage(w, x):   # x: (rows/tp, D); up: (D, F/tp); down: (F/tp, D)
+    h = all_gather_matmul(x * w["scale"], w["up"], "tp")
+    return x + matmul_reduce_scatter(jnp.tanh(h), w["down"], "tp")
+
+  def reference(w, x):
+    return x + jnp.tanh((x * w["scale"]) @ w["up"]) @ w["down"]
+  w, xs, ts = _data(2, batch=4, scale=(D,), up=(D, F), down=(F, D))
+  specs = {"scale": P("pp"), "up": P("pp", None, "tp"), "down": P("pp", "tp", None)}
+  loss = _pipelined(stage, _mesh(2, 2, "tp"), specs, P(None, "tp"), "tp",
+                    schedule="zb-h1")
+  _check(loss, _sequential(reference), w, xs, ts)
+
+
+def test_a_plain_ppermute_inside_a_stage():
+  def stage(w, x):   # rotate the rows over 'cp' and back: the identity
+    y = jax.lax.ppermute(x, "cp", [(0, 1), (1, 0)])
+    return jax.lax.ppermute(jnp.tanh(y @ w), "cp", [(0, 1), (1, 0)])
+  w = jax.random.normal(jax.random.key(3), (2, D, D)) / 2
+  _, xs, ts = _data(2)
+  loss = _pipelined(stage, _mesh(2, 2, "cp"), P("pp"), P(None, "cp"), "cp")
+  _check(loss, _sequential(lambda w, x: jnp.tanh(x @ w)), w, xs, ts)
+
+
+def test_switch_dispatch_with_a_collective_is_refused():
+  stage = lambda w, x: jax.lax.psum(x @ w, "tp")
+  w = jnp.ones((2, D, D))
+  _, xs, ts = _data(2)
+  loss = _pipelined(stage, _mesh(2, 2, "tp"), P("pp"), P(), "tp",
+                    dispatch="switch")
+  with pytest.raises(ValueError, match=r"dispatch='switch'.*stage_fn holds a "
+                     r"collective over \['tp'\]"):
+    jax.jit(loss)(w, xs, ts)
