@@ -25,14 +25,20 @@ import llama_4d  # noqa: E402
 
 optax = pytest.importorskip("optax")
 
-STEPS = 3
+STEPS, LR = 3, 1e-2
 TOL = dict(rtol=1e-5, atol=1e-6)
+# Adam moves each parameter by about LR whatever the size of its gradient, so
+# where a gradient is near 0 (a sum that cancels) its rounding decides much
+# of the step: parameters after the steps are compared to 5% of one step
+# (measured: at most 1.7% of a step, on a few of the experts' weights, with
+# every gradient within TOL). The losses of the steps are compared at TOL.
+AFTER_TOL = dict(rtol=1e-5, atol=5e-2 * LR)
 
 
 def _steps(loss_fn):
   """jit of (params, tokens, targets) -> (the STEPS losses, the first step's
   gradients, the parameters after STEPS adam steps)."""
-  opt = optax.adam(1e-2)
+  opt = optax.adam(LR)
 
   def run(params, tokens, targets):
     def step(carry, _):
@@ -62,12 +68,12 @@ def _single_program(cfg, rows):
     return jax.device_get(_steps(llama_4d.loss)(params, tokens, targets))
 
 
-def _assert_trees_close(got, want, what):
+def _assert_trees_close(got, want, what, tol=TOL):
   for path, a in jax.tree_util.tree_leaves_with_path(got):
     b = want
     for k in path:
       b = b[k.key]
-    np.testing.assert_allclose(a, b, **TOL, err_msg=f"{what}{jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(a, b, **tol, err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
 # On older jax: the psum plan (no ring in a stage; the cheapest compile).
@@ -87,7 +93,7 @@ def test_plan_equals_the_single_program(name):
   want_values, want_grads, want_after = _single_program(cfg, tokens.shape[0])
   np.testing.assert_allclose(values, want_values, **TOL)
   _assert_trees_close(plan.unstage(grads), want_grads, "gradient ")
-  _assert_trees_close(plan.unstage(after), want_after, f"after {STEPS} steps ")
+  _assert_trees_close(plan.unstage(after), want_after, f"after {STEPS} steps ", AFTER_TOL)
   assert values[-1] < values[0]          # it trains
 
 
