@@ -271,8 +271,13 @@ class Plan:
   def specs(self, params) -> dict:
     rules = self._rules()
     out = {k: P() for k in ("embed", "final_norm", "head")}
-    out["blocks"] = {k: P("pp" if "pp" in self.axes else None,
-                          *[rules.get(n) for n in dims_of(params["blocks"], k)])
+    def spec(*axes):    # trailing Nones dropped: the spec jit gives its outputs
+      axes = list(axes)
+      while axes and axes[-1] is None:
+        axes.pop()
+      return P(*axes)
+    out["blocks"] = {k: spec("pp" if "pp" in self.axes else None,
+                             *[rules.get(n) for n in dims_of(params["blocks"], k)])
                      for k in params["blocks"]}
     return out
 
@@ -390,6 +395,17 @@ PLANS = {
 }
 
 
+def init_state(plan: Plan, optimizer, params):
+  """optimizer.init(params), each moment laid out like its parameter and the
+  rest (adam's count) replicated: as the train step returns them, so that its
+  second call does not compile again."""
+  import optax  # noqa: PLC0415
+  everywhere = NamedSharding(plan.mesh, P())
+  return optax.tree_utils.tree_map_params(
+      optimizer, lambda s, p: jax.device_put(s, p.sharding), optimizer.init(params),
+      params, transform_non_params=lambda s: jax.device_put(s, everywhere))
+
+
 def train_step(plan: Plan, optimizer):
   """jit of (staged params, opt_state, tokens, targets) -> (params, opt_state, loss)."""
   import optax  # noqa: PLC0415
@@ -437,7 +453,7 @@ def train(plan: Plan, steps: int, seq: int = 16, seed: int = 0, say=print) -> li
   params = plan.place(init(cfg, jax.random.key(seed)))
   optimizer = optax.adam(3e-3)
   step = train_step(plan, optimizer)
-  opt_state = optimizer.init(params)
+  opt_state = init_state(plan, optimizer, params)
   sharding = NamedSharding(plan.mesh, plan.batch_spec())
   key = jax.random.key(seed + 1)
   losses = []
