@@ -468,7 +468,8 @@ MISUSES = [
      r"be virtual_stages=2 .*pipeline_stage_layout"),
     ("pipeline-xs", "xs with no microbatch axis (a scalar)",
      lambda: _pipeline(xs=jnp.float32(1)), ValueError,
-     r"xs has shape \(\): expected m microbatches stacked on axis 0"),
+     r"xs has leaves of shapes \[\(\)\]: expected the m microbatches stacked on "
+     r"axis 0"),
     ("pipeline-targets", "targets over another number of microbatches than xs",
      lambda: _pipeline(ts=jnp.zeros((3, 2, 4))), ValueError,
      r"targets has shape \(3, 2, 4\): expected the 4 microbatches of xs"),
@@ -496,11 +497,12 @@ MISUSES = [
      r"stages=1: a pipeline needs at least 2 stages"),
     ("pipeline-stage-shape", "a stage_fn that changes the activation's shape",
      lambda: _pipeline(stage_fn=lambda w, x: (x @ w)[:, :2]), ValueError,
-     r"stage_fn must return an array of its input activation's shape and dtype, "
-     r"float32\[2, 4\]; it returned float32\[2, 2\]"),
+     r"stage_fn must return an activation of its input's structure, shapes and "
+     r"dtypes, float32\[2, 4\]; it returned float32\[2, 2\]"),
     ("pipeline-stage-collective", "a collective over the pipeline axis inside stage_fn",
      lambda: _pipeline(stage_fn=lambda w, x: lax.psum(x @ w, "i")), ValueError,
-     r"stage_fn holds a collective over the pipeline axis 'i' \(psum"),
+     r"stage_fn holds a collective over the pipeline axis 'i': each device runs "
+     r"another stage"),
     ("pipeline-loss-scalar", "a loss_fn that returns an array, not a scalar",
      lambda: _pipeline(loss_fn=lambda y, t: (y - t) ** 2), ValueError,
      r"loss_fn must return a scalar \(the loss of one microbatch\)"),
