@@ -59,3 +59,9 @@ def test_the_label_round_trips():
   row = plan.table[3]
   assert tick_names.parse(tick_names.label(3, "cotangents", row)) == (3, _row(plan, 3))
   assert tick_names.parse("['w1']") is None and tick_names.parse(None) is None
+
+
+def test_a_note_said_once_for_all_ticks(report):
+  """A switch a tick is one cond written once: one note, with its count."""
+  conds = [n for n in report.notes if n.startswith("A cond")]
+  assert len(conds) == 1 and "conds)" in conds[0], conds
