@@ -23,7 +23,7 @@ def _row(plan, t):
 
 
 def test_each_send_names_its_tick_and_every_stage_action(report):
-  plan = plan_lib.pipeline_schedule("1f1b", P_, M, send_ticks=1)
+  plan = plan_lib.pipeline_schedule("1f1b", P_, M)
   named = [tick_names.parse(c.leaf) for c in report.collectives
            if c.kind == "collective-permute"]
   assert named and None not in named
@@ -36,7 +36,7 @@ def test_each_send_names_its_tick_and_every_stage_action(report):
 
 
 def test_the_timeline_has_a_row_a_stage_with_the_bubble_idle(report):
-  plan = plan_lib.pipeline_schedule("1f1b", P_, M, send_ticks=1)
+  plan = plan_lib.pipeline_schedule("1f1b", P_, M)
   rows, events = timeline._rows_and_events(report)
   last = max(tick_names.parse(c.leaf)[0] for c in report.collectives
              if tick_names.parse(c.leaf))
