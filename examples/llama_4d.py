@@ -360,9 +360,7 @@ class Plan:
       if "fsdp" in self.axes:
         return jax_overlap.fsdp_scan(layer, x, w, axis="fsdp",
                                      shard_dims=self._shard_dims(w))
-      for i in range(jax.tree.leaves(w)[0].shape[0]):
-        x = layer(x, jax.tree.map(lambda a: a[i], w))
-      return x
+      return lax.scan(lambda x, wi: (layer(x, wi), None), x, w)[0]
 
     last = lambda y, t: head_loss(params, y, t)
     if "pp" in self.axes:

@@ -94,18 +94,22 @@ def test_pytree_microbatches_with_integer_leaves_and_parameters():
   _close(got, want)
 
 
-def test_a_scanned_stage():
+@pytest.mark.parametrize("embed", [False, True])
+def test_a_scanned_stage(embed):
   """A stage that runs its layers with lax.scan (MaxText, nn.scan, equinox
-  stacks): the check traces it with the executor's activation type."""
+  stacks): the check traces it with the executor's activation type, also
+  where `before` makes the activation."""
   def stage(ws, x):
     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+  before = (lambda x: 2.0 * x) if embed else None
 
   def piped(ws, xs, ts):
-    body = lambda q, xs, ts: pipeline_loss(stage, mse, q, xs, ts, axis="pp")
+    body = lambda q, xs, ts: pipeline_loss(stage, mse, q, xs, ts, axis="pp",
+                                           before=before)
     return _run(body, (pipeline_stage_layout(ws, P_), xs, ts), (P("pp"), P(), P()))
 
   def ref(ws, xs, ts):
-    y = xs
+    y = before(xs) if embed else xs
     for g in range(P_):
       y = stage(ws[g], y)
     return mse(y, ts)

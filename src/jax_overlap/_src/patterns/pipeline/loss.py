@@ -28,7 +28,7 @@ from jax_overlap._src.patterns.pipeline.work import (float0_like, is_float,
 
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                   xs, targets, *, axis, schedule: str = "1f1b",
-                  virtual_stages: int = 1, send_ticks: int = 1,
+                  virtual_stages: int = 1, send_ticks: int | None = None,
                   before: Callable | None = None, has_aux: bool = False,
                   dispatch: str | None = None):
   """The mean over m microbatches of `loss_fn(stages(before(x)), target)`,
@@ -60,10 +60,12 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
       (`pipeline_schedule` prints each).
     virtual_stages: v, chunks a device (for "interleaved").
-    send_ticks: 1 (default): each stage-to-stage send is in flight while the
-      next tick computes, for a longer table (`pipeline_schedule(...,
-      send_ticks=1)`); 0: each send is waited for before the next tick, the
-      literature's table.
+    send_ticks: None (default): 1F1B and interleaved run one kind of action
+      a tick, forward and backward ticks alternating, so each send is in
+      flight over a tick of the other kind and the table has the
+      literature's tick count; GPipe and ZB-H1 give each send a tick (1).
+      An int: each send in flight over that many ticks of its own (0: waited
+      for before the next tick). `pipeline_schedule` prints each table.
     before: `before(x) -> activation`, run on the first stage for each
       microbatch's `xs` entry (the embedding: xs may then be token ids).
       It may close over traced values (the embedding table): their
@@ -108,7 +110,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                      f"{DISPATCHES} or None (chosen from the model).")
   plan = _plan.pipeline_schedule(schedule, p, m, virtual_stages,
                                  send_ticks=send_ticks)
-  forward = _plan.place("forward", p, m, virtual_stages, send_ticks)
+  forward = _plan.place("forward", p, m, virtual_stages, plan.send_ticks)
   built = model_of(stage_fn, loss_fn, before, has_aux, stage_params, xs,
                    targets, axis)
   dispatch = _checks.choose_dispatch(dispatch, built.model.collective,

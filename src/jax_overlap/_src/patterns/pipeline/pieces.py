@@ -69,6 +69,7 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   else:
     embed, embed_consts, act, found["embed"] = _convert(
         lambda r: before(r), (raw,), "before", vary)
+    act = vary(act)   # as the executor's buffers hold it
   stage = _stage_call(stage_fn)
   chunk = vary(first(stage_params))
   closed, out = jax.make_jaxpr(stage, return_shape=True)(chunk, act, i0)
