@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import os
 import time
+from typing import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -165,11 +166,11 @@ def dense_experts(h, w):
 @dataclasses.dataclass(frozen=True)
 class Parallel:
   """How a block's parts run: the single program's `Parallel()`, or a plan's."""
-  column: callable = lambda h, w: h @ w          # [..., d] -> [..., n]
-  row: callable = lambda a, w: a @ w             # [..., n] -> [..., d]
-  attend: callable = dense_attention             # (q, k, v, positions) -> out
-  positions: callable = lambda s: jnp.arange(s, dtype=jnp.float32)
-  moe: callable = None                           # (h [T, d], w) -> [T, d]
+  column: Callable = lambda h, w: h @ w          # [..., d] -> [..., n]
+  row: Callable = lambda a, w: a @ w             # [..., n] -> [..., d]
+  attend: Callable = dense_attention             # (q, k, v, positions) -> out
+  positions: Callable = lambda s: jnp.arange(s, dtype=jnp.float32)
+  moe: Callable | None = None                    # (h [T, d], w) -> [T, d]
 
 
 def block(x, w, par: Parallel = Parallel()):
