@@ -116,8 +116,9 @@ def ring_attention(q, k, v, *, axis, causal: bool = False,
     raise TypeError(f"ring_attention(causal={causal!r}) must be True or False.")
   window = check_window(name, window)
   if window is not None and causal:
-    window = (window[0], 0)
-  if window is not None and min(window[0], window[1]) >= q.shape[1] * size - 1:
+    window = (window[0], 0)   # the keys after a query are masked anyway
+  if window is not None and window[0] >= q.shape[1] * size - 1 and (
+      causal or window[1] >= q.shape[1] * size - 1):
     window = None   # every key: the same program as without
   cfg = Config(axis, size, layout, causal,
                checks.scale(name, scale, q.shape[-1]), window)

@@ -70,8 +70,3 @@ def chunk_pair(a: int, b: int, chunk: int, causal: bool, window) -> str:
     return DIAGONAL
   return WINDOW
 
-
-def covers(window, seq: int) -> bool:
-  """Whether `window` lets every query see every key of a `seq`-long
-  sequence (then it changes nothing)."""
-  return window is None or min(window) >= seq - 1
