@@ -13,6 +13,12 @@ last hop of (dk, dv) home, so that every rotation has block matmuls in flight
 (tests/aot/attention_compiled_test.py). Saved for the backward:
 this device's q, k, v, output and row log-sum-exp; no other device's block
 (tests/patterns/attention/ring_attention_test.py::test_saves_no_remote_blocks).
+
+With a sliding window the ring takes only the steps whose blocks some query
+sees (plan.ring_steps): the held block moves by the gap between two steps'
+offsets in one rotation, its gradient travels with it and goes home from the
+last step in one hop (tests/patterns/attention/ring_window_test.py counts
+and checks the shifts).
 """
 
 from __future__ import annotations
