@@ -32,7 +32,8 @@ from jax_overlap._src import _compat
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp import use_order
 from jax_overlap._src.patterns.fsdp.layer_inputs import (differentiable,
-                                                         float0_zeros)
+                                                         float0_zeros,
+                                                         without_float0)
 from jax_overlap._src.patterns.fsdp.one_layer import (Splits, layer_at,
                                                       layer_backward,
                                                       layer_forward)
@@ -243,11 +244,12 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
           # reduced: layer i+2's final gradient.
           if reduced is not None:
             grads = put(grads, reduced, i + 2)
-          pend = (g,) + ((scattered,) if scattered is not None else ())
+          pend = (without_float0(g),) + (
+              (scattered,) if scattered is not None else ())
         else:
           if scattered is not None:   # (folded: n - 1 is written again)
             grads = put(grads, scattered, jnp.minimum(i + 1, n - 1))
-          pend = (g,)
+          pend = (without_float0(g),)
         return (x_bar, buf + tuple(got), pend, grads), None
       return body
 
@@ -255,8 +257,8 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     if steps[0].again:   # the kept copy in the buffer, a zero gradient pending
       g_types = jax.make_jaxpr(lambda: backward(
           saved_at(n - 1, 0), kept_last, y_bar)[1])().out_avals
-      carry = (y_bar, (kept_last,), (jax.tree.unflatten(
-          jax.tree.structure(kept_last), [_zeros(t) for t in g_types]),),
+      carry = (y_bar, (kept_last,), (without_float0(jax.tree.unflatten(
+          jax.tree.structure(kept_last), [_zeros(t) for t in g_types])),),
                grads)
     for run_ in runs(steps, signature):
       offsets, _, weights, pending, piece, _ = signature(run_[0])
