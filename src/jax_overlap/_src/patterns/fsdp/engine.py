@@ -163,7 +163,10 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       offsets, _, keep, looped = signature(run_[0])
       looped = len(run_) > 1 if looped is None else looped
       run_ = [s._replace(loop=looped) for s in run_]
-      if save and looped and plan.futures:   # (inside shard_map)
+      # (inside shard_map; unrolled iterations keep the scan's ys: carried
+      # stacks there grew the saved bytes past the activations', fsdp_test::
+      # test_memory_grows_by_activations_only)
+      if save and looped and plan.futures and unroll == 1:
         carry, more = _saving_loop(loop, step, run_layer, params_, carry,
                                    run_, offsets, keep, gather_index)
       else:
