@@ -175,10 +175,10 @@ def _has_company(collective) -> bool:
   return False
 
 
-def _reach(op, forward: bool) -> list:
+def _reach(op, forward: bool) -> set:
   """The ops reached from `op` through uses (`forward`) or operands, stopping
   at barriers and block arguments."""
-  seen: list = []
+  seen: set = set()
   todo = [op]
   while todo:
     cur = todo.pop()
@@ -189,10 +189,10 @@ def _reach(op, forward: bool) -> list:
     for n in nexts:
       if n in seen or n == op:
         continue
-      seen.append(n)
+      seen.add(n)
       if not _is_barrier(n):
         todo.append(n)
-  return [n for n in seen if not _is_barrier(n)]
+  return {n for n in seen if not _is_barrier(n)}
 
 
 def _reads_a_barrier(op) -> bool:
