@@ -17,12 +17,13 @@ import jax.numpy as jnp
 
 from jax_overlap._src.collectives.api import all_to_all_start
 from jax_overlap._src.patterns.attention import checks
+from jax_overlap._src.patterns.attention import dispatch
 from jax_overlap._src.patterns.attention.local import local_attention
 from jax_overlap._src.patterns.leaf_scope import moving
 
 
 def ulysses_attention(q, k, v, *, axis, attention_fn=None,
-                      causal: bool = False):
+                      causal: bool = False, implementation=None):
   """Attention over a sequence sharded over `axis` by two all-to-alls.
 
   Inside `jax.shard_map` with the sequence sharded contiguously over `axis`
@@ -42,6 +43,9 @@ def ulysses_attention(q, k, v, *, axis, attention_fn=None,
       default.
     causal: with the default kernel, mask each query to the keys at or
       before it.
+    implementation: what computes the default kernel: None (a Pallas flash
+      kernel on TPU, XLA's operations elsewhere), "xla" or "pallas" (the
+      kernel; on CPU in Pallas's interpreter, for tests).
 
   Returns:
     (batch, seq_local, heads, head_dim) in q's dtype.
@@ -83,13 +87,18 @@ def ulysses_attention(q, k, v, *, axis, attention_fn=None,
     raise TypeError(
         f"ulysses_attention(attention_fn={attention_fn!r}) must be callable "
         "as attention_fn(q, k, v).")
+  implementation = dispatch.check(name, implementation)
+  if attention_fn is not None and implementation is not None:
+    raise ValueError(
+        "ulysses_attention: implementation= chooses the default kernel's "
+        "code; give it or attention_fn, not both.")
   repeat = size // math.gcd(kv_heads, size)
   if repeat > 1:
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
   if attention_fn is None:
     scale = checks.scale(name, None, q.shape[-1])
-    attention_fn = lambda q, k, v: local_attention(q, k, v, causal=causal,
-                                                   scale=scale)
+    attention_fn = lambda q, k, v: local_attention(
+        q, k, v, causal=causal, scale=scale, implementation=implementation)
 
   # Sequence-sharded (b, s / p, h, d) -> head-sharded (b, s, h / p, d).
   to_heads = lambda x: all_to_all_start(x, axis, 2, 1, tiled=True)
