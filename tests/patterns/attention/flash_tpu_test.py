@@ -167,6 +167,17 @@ def test_ring_with_the_kernel_equals_dense(p, layout, causal, segments):
       implementation="pallas"), layout), q, k, v, seg, causal)
 
 
+def test_ring_with_the_kernel_bfloat16():
+  # bfloat16 in and out, float32 inside: within bfloat16's precision of
+  # float32 dense attention on the same (rounded) inputs.
+  q, k, v, seg = inputs(2, segments=True, dtype=jnp.bfloat16)
+  ring = _sharded(2, lambda q, k, v, s: ring_attention(
+      q, k, v, axis="cp", causal=True, segment_ids=s, implementation="pallas"))
+  out, grads = value_and_grads(ring, q, k, v, seg)
+  assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+  _check(ring, q, k, v, seg, True, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_on_one_device_is_the_local_kernel(layout):
   # Nothing to rotate: one kernel call a pass (the whole sequence, in its
