@@ -250,6 +250,28 @@ def test_a_jax_without_the_kernel_api_warns_once_and_runs_xla(monkeypatch):
     assert _primitives(None) == (0, 0)   # off TPU nothing is lost: silent
 
 
+def test_a_block_masked_by_traced_positions_runs_xla():
+  # The kernel's masks are static (causal from an offset); a block masked
+  # by traced positions (a pair a sliding window cuts) runs XLA's operations
+  # whatever `implementation` says.
+  q, k, v, _ = inputs(1, seq_local=16, heads=2, kv_heads=2)
+  q = _grouped(q, 2)
+  positions = (jnp.arange(16), jnp.arange(16))
+
+  def both(q, k, v):
+    stats = dispatch.block_forward("pallas", kernel.empty_stats(q), q, k, v,
+                                   causal=True, scale=0.3, positions=positions)
+    out, lse = kernel.finish(stats)
+    grads = dispatch.block_backward("pallas", q, k, v, q, lse,
+                                    jnp.zeros_like(lse), causal=True,
+                                    scale=0.3, positions=positions)
+    return out, grads
+  assert "pallas_call" not in str(jax.make_jaxpr(both)(q, k, v))
+  want = kernel.finish(kernel.block_forward(
+      kernel.empty_stats(q), q, k, v, causal=True, scale=0.3))[0]
+  np.testing.assert_allclose(both(q, k, v)[0], want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_tile_sizes():
   assert flash_tpu.block_sizes(8192, 8192, 128) == flash_tpu.Blocks(512, 512)
   assert flash_tpu.block_sizes(384, 1024, 128) == flash_tpu.Blocks(128, 512)

@@ -142,11 +142,21 @@ def merge(stats: kernel.Stats, out, lse) -> kernel.Stats:
                       m, stats.l * fade + weight)
 
 
+def _given(masking: dict) -> dict:
+  return {name: value for name, value in masking.items() if value is not None}
+
+
 def block_forward(implementation, stats: kernel.Stats, q, k, v, *,
                   causal: bool, scale: float, q_seg=None, k_seg=None,
-                  k_offset: int = 0) -> kernel.Stats:
+                  k_offset: int = 0, **masking) -> kernel.Stats:
   """kernel.block_forward's update, by `implementation`; key j at position
-  k_offset + j when causal."""
+  k_offset + j when causal. `masking`: kernel.block_forward's other mask
+  arguments (traced `positions`, a sliding `window`); a block given one
+  runs on XLA's operations (the kernel's masks are static)."""
+  if _given(masking):
+    return kernel.block_forward(stats, q, k, v, causal=causal, scale=scale,
+                                q_seg=q_seg, k_seg=k_seg, **_given(masking))
+
   def xla(stats, q, k, v, q_seg, k_seg):
     return kernel.block_forward(stats, q, k, v, causal=causal, scale=scale,
                                 q_seg=q_seg, k_seg=k_seg,
@@ -164,8 +174,15 @@ def block_forward(implementation, stats: kernel.Stats, q, k, v, *,
 
 
 def block_backward(implementation, q, k, v, do, lse, delta, *, causal: bool,
-                   scale: float, q_seg=None, k_seg=None, k_offset: int = 0):
-  """kernel.block_backward's (dq, dk, dv), float32, by `implementation`."""
+                   scale: float, q_seg=None, k_seg=None, k_offset: int = 0,
+                   **masking):
+  """kernel.block_backward's (dq, dk, dv), float32, by `implementation`;
+  `masking` as block_forward's."""
+  if _given(masking):
+    return kernel.block_backward(q, k, v, do, lse, delta, causal=causal,
+                                 scale=scale, q_seg=q_seg, k_seg=k_seg,
+                                 **_given(masking))
+
   def xla(q, k, v, do, lse, delta, q_seg, k_seg):
     return kernel.block_backward(q, k, v, do, lse, delta, causal=causal,
                                  scale=scale, q_seg=q_seg, k_seg=k_seg,
