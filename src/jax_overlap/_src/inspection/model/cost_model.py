@@ -10,6 +10,9 @@ a live compile (`xla_cost.py`), else `shape_costs` here:
 * gemm custom calls (`__cublas$gemm`, `__cublas$lt$matmul`, any target naming
   gemm or matmul): as a dot, with the contracted dimensions of its
   `gemm_backend_config` (else the last of the left operand);
+* a kernel's custom call that states its own flops (a Pallas TPU kernel's
+  `custom_call_config.cost_estimate`, from `pallas_call(cost_estimate=...)`):
+  those flops;
 * fusion: the dots and convolutions inside it;
 * bytes: operands in plus result out, for all of them, except that an
   in-place update (`dynamic-update-slice`, or a fusion whose root is one, or a
@@ -203,6 +206,10 @@ def _flops(instr, comp, module, operands) -> float:
     if not contracted and operands[0].dims:
       contracted = [len(operands[0].dims) - 1]
     return _dot_flops(out, operands[0], contracted)
+  if op == "custom-call":
+    stated = _stated_flops(instr)
+    if stated is not None:
+      return stated
   if op == "fusion":
     total = 0.0
     for callee in instr.callees("calls"):
@@ -212,6 +219,16 @@ def _flops(instr, comp, module, operands) -> float:
           total += shape_costs(sub, inner, module)[0]
     return total
   return 0.0
+
+
+def _stated_flops(instr) -> float | None:
+  """The flops a kernel's custom call states for itself, or None."""
+  config = attrs.backend_config(instr).get("custom_call_config")
+  estimate = config.get("cost_estimate") if isinstance(config, dict) else None
+  try:
+    return float(estimate["flops"]) if isinstance(estimate, dict) else None
+  except (KeyError, TypeError, ValueError):
+    return None
 
 
 def _dot_flops(out, lhs, contracted: list[int]) -> float:
