@@ -72,17 +72,18 @@ def choose(implementation, q, k, v, kernel_fn, xla_fn, *args):
   fits = _fits(q, k, v)
   if implementation == "xla":
     return xla_fn(*args)
-  missing = _compat.pallas_tpu_missing()
   platform = _platform()
+  if implementation is None and (not fits or platform not in (None, "tpu")):
+    return xla_fn(*args)   # (Pallas not even imported)
+  missing = _compat.pallas_tpu_missing()
   if missing is not None:
-    if implementation == "pallas" or platform in (None, "tpu"):
+    if (implementation == "pallas" or platform == "tpu"
+        or jax.default_backend() == "tpu"):
       _warn_once("missing", (
           f"jax {jax.__version__} lacks {missing}, which jax_overlap's Pallas "
           "TPU flash kernel uses; attention runs on XLA's operations instead."))
     return xla_fn(*args)
   if implementation is None:
-    if not fits or platform not in (None, "tpu"):
-      return xla_fn(*args)
     if platform == "tpu":
       return kernel_fn(False)(*args)
     return jax.lax.platform_dependent(*args, tpu=kernel_fn(False),
