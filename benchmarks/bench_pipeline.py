@@ -127,7 +127,7 @@ def program(variant, mesh, width, m):
 def bubble(variant, m):
   if variant == "shift (MaxText)":
     return (STAGES - 1) / (m + STAGES - 1)
-  plan = jax_overlap.pipeline_schedule(variant, STAGES, m, send_ticks=1)
+  plan = jax_overlap.pipeline_schedule(variant, STAGES, m)   # what pipeline_loss runs
   return plan.simulate().bubble_fraction
 
 

@@ -141,7 +141,7 @@ def _moe(fn=None, x=None, ids=None, w=None, params=None, params_spec=P("i"),
 
 
 def _pipeline(stage_fn=None, loss_fn=None, w=None, xs=None, ts=None, order=0,
-              **kwargs):
+              xs_spec=P(), **kwargs):
   """pipeline_loss over MESH (2 stages of a 4x4 matmul), 4 microbatches of
   shape (2, 4), traced (not run); order=2 takes a second derivative."""
   stage = (lambda w, x: x @ w) if stage_fn is None else stage_fn
@@ -151,7 +151,7 @@ def _pipeline(stage_fn=None, loss_fn=None, w=None, xs=None, ts=None, order=0,
   ts = jnp.zeros((4, 2, 4)) if ts is None else ts
   f = jax.shard_map(
       lambda w, x, t: jo.pipeline_loss(stage, loss, w, x, t, axis="i", **kwargs),
-      mesh=MESH, in_specs=(P("i"), P(), P()), out_specs=P())
+      mesh=MESH, in_specs=(P("i"), xs_spec, P()), out_specs=P())
   if order == 2:
     g = jax.grad(lambda x: f(w, x, ts))
     return jax.eval_shape(jax.grad(lambda x: g(x).sum()), xs)
@@ -468,7 +468,8 @@ MISUSES = [
      r"be virtual_stages=2 .*pipeline_stage_layout"),
     ("pipeline-xs", "xs with no microbatch axis (a scalar)",
      lambda: _pipeline(xs=jnp.float32(1)), ValueError,
-     r"xs has shape \(\): expected m microbatches stacked on axis 0"),
+     r"xs has leaves of shapes \[\(\)\]: expected the m microbatches stacked on "
+     r"axis 0"),
     ("pipeline-targets", "targets over another number of microbatches than xs",
      lambda: _pipeline(ts=jnp.zeros((3, 2, 4))), ValueError,
      r"targets has shape \(3, 2, 4\): expected the 4 microbatches of xs"),
@@ -489,18 +490,26 @@ MISUSES = [
                        virtual_stages=2), ValueError,
      r"schedule='interleaved' needs microbatches to be a multiple of stages: "
      r"got microbatches=3, stages=2"),
+    ("pipeline-xs-sharded", "xs sharded over the pipeline axis (in_specs P('i'))",
+     lambda: _pipeline(xs=jnp.ones((8, 2, 4)), ts=jnp.zeros((4, 2, 4)),
+                       xs_spec=P("i")), ValueError,
+     r"xs is sharded over the pipeline axis 'i' \(its in_specs entry names it\)"),
+    ("pipeline-dispatch", "dispatch='eager'", lambda: _pipeline(dispatch="eager"),
+     ValueError, r"pipeline_loss\(dispatch='eager'\): expected one of \('switch', "
+     r"'lockstep'\) or None"),
     ("pipeline-send-ticks", "send_ticks=-1", lambda: _pipeline(send_ticks=-1),
-     ValueError, r"send_ticks=-1: expected an int >= 0"),
+     ValueError, r"send_ticks=-1: expected None or an int >= 0"),
     ("pipeline-stages", "pipeline_schedule with one stage",
      lambda: jo.pipeline_schedule("gpipe", 1, 4), ValueError,
      r"stages=1: a pipeline needs at least 2 stages"),
     ("pipeline-stage-shape", "a stage_fn that changes the activation's shape",
      lambda: _pipeline(stage_fn=lambda w, x: (x @ w)[:, :2]), ValueError,
-     r"stage_fn must return an array of its input activation's shape and dtype, "
-     r"float32\[2, 4\]; it returned float32\[2, 2\]"),
+     r"stage_fn must return an activation of its input's structure, shapes and "
+     r"dtypes, float32\[2, 4\]; it returned float32\[2, 2\]"),
     ("pipeline-stage-collective", "a collective over the pipeline axis inside stage_fn",
      lambda: _pipeline(stage_fn=lambda w, x: lax.psum(x @ w, "i")), ValueError,
-     r"stage_fn holds a collective over the pipeline axis 'i' \(psum"),
+     r"stage_fn holds a collective over the pipeline axis 'i': each device runs "
+     r"another stage"),
     ("pipeline-loss-scalar", "a loss_fn that returns an array, not a scalar",
      lambda: _pipeline(loss_fn=lambda y, t: (y - t) ** 2), ValueError,
      r"loss_fn must return a scalar \(the loss of one microbatch\)"),

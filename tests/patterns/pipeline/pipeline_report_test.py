@@ -23,7 +23,7 @@ def _row(plan, t):
 
 
 def test_each_send_names_its_tick_and_every_stage_action(report):
-  plan = plan_lib.pipeline_schedule("1f1b", P_, M, send_ticks=1)
+  plan = plan_lib.pipeline_schedule("1f1b", P_, M)
   named = [tick_names.parse(c.leaf) for c in report.collectives
            if c.kind == "collective-permute"]
   assert named and None not in named
@@ -36,7 +36,7 @@ def test_each_send_names_its_tick_and_every_stage_action(report):
 
 
 def test_the_timeline_has_a_row_a_stage_with_the_bubble_idle(report):
-  plan = plan_lib.pipeline_schedule("1f1b", P_, M, send_ticks=1)
+  plan = plan_lib.pipeline_schedule("1f1b", P_, M)
   rows, events = timeline._rows_and_events(report)
   last = max(tick_names.parse(c.leaf)[0] for c in report.collectives
              if tick_names.parse(c.leaf))
@@ -59,3 +59,9 @@ def test_the_label_round_trips():
   row = plan.table[3]
   assert tick_names.parse(tick_names.label(3, "cotangents", row)) == (3, _row(plan, 3))
   assert tick_names.parse("['w1']") is None and tick_names.parse(None) is None
+
+
+def test_a_note_said_once_for_all_ticks(report):
+  """A switch a tick is one cond written once: one note, with its count."""
+  conds = [n for n in report.notes if n.startswith("A cond")]
+  assert len(conds) == 1 and "conds)" in conds[0], conds

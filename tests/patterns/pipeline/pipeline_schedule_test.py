@@ -11,7 +11,7 @@ pipeline_schedule = plan_lib.pipeline_schedule
 
 
 def _cases():
-  for p, k, send in itertools.product((2, 3, 4), (1, 2, 3), (0, 1)):
+  for p, k, send in itertools.product((2, 3, 4), (1, 2, 3), (0, 1, None)):
     m = k * p
     yield "gpipe", p, m, 1, send
     yield "1f1b", p, m, 1, send
@@ -38,6 +38,7 @@ def _placed(plan):
 @pytest.mark.parametrize("schedule,p,m,v,send", CASES)
 def test_every_action_once_and_after_its_inputs(schedule, p, m, v, send):
   plan = pipeline_schedule(schedule, p, m, v, send_ticks=send)
+  send = plan.send_ticks or 0
   at = _placed(plan)
   stages = p * v
   back = I if schedule == "zb-h1" else B
@@ -58,39 +59,63 @@ def test_every_action_once_and_after_its_inputs(schedule, p, m, v, send):
 
 @pytest.mark.parametrize("p,k", list(itertools.product((2, 3, 4, 8), (1, 2, 3, 4))))
 def test_bubble_fractions_are_the_literatures(p, k):
+  """The literature's tables (send_ticks=0), and the default tables of 1F1B
+  and interleaved, which keep their bubble with one kind of action a tick."""
   m = k * p
   for schedule in ("gpipe", "1f1b"):
-    sim = pipeline_schedule(schedule, p, m).simulate()
+    sim = pipeline_schedule(schedule, p, m, send_ticks=0).simulate()
     assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+  sim = pipeline_schedule("1f1b", p, m).simulate()
+  assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
   for v in (2, 3, 4):
-    sim = pipeline_schedule("interleaved", p, m, v).simulate()
-    assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
-  zb = pipeline_schedule("zb-h1", p, m).simulate().bubble_fraction
+    for send in (0, None):
+      sim = pipeline_schedule("interleaved", p, m, v, send_ticks=send).simulate()
+      assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1),
+                                                  abs=1e-12)
+  zb = pipeline_schedule("zb-h1", p, m, send_ticks=0).simulate().bubble_fraction
   assert zb <= (p - 1) / (3 * m + p - 1) + 1e-12
-  assert zb < pipeline_schedule("1f1b", p, m).simulate().bubble_fraction
+  assert zb < pipeline_schedule("1f1b", p, m, send_ticks=0).simulate().bubble_fraction
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2),
+                                        ("interleaved", 3)])
+@pytest.mark.parametrize("p,k", list(itertools.product((2, 3, 4, 8), (1, 2, 4))))
+def test_the_default_table_has_one_kind_a_tick(schedule, v, p, k):
+  """What pipeline_loss runs: no tick mixes kinds (lockstep runs it at no
+  cost), 1F1B in the literature's 2 (m+p-1) ticks."""
+  plan = pipeline_schedule(schedule, p, k * p, v)
+  assert plan.send_ticks is None
+  assert all(len({a.kind for a in row if a}) <= 1 for row in plan.table)
+  if schedule == "1f1b":
+    assert plan.ticks == 2 * (k * p + p - 1)
 
 
 @pytest.mark.parametrize("p,m", [(2, 6), (4, 4), (4, 8), (4, 12), (8, 16)])
 def test_peak_activations(p, m):
-  one_f_one_b = pipeline_schedule("1f1b", p, m).simulate().peak_activations
+  one_f_one_b = pipeline_schedule("1f1b", p, m, send_ticks=0).simulate().peak_activations
   assert one_f_one_b == tuple(p - d for d in range(p))
+  # alternating ticks: a forward and a backward a pair of ticks, so a
+  # microbatch's round trip from stage d holds 2 (p-1-d) + 1 (at most m)
+  default = pipeline_schedule("1f1b", p, m).simulate().peak_activations
+  assert default == tuple(min(m, 2 * (p - 1 - d) + 1) for d in range(p))
   assert pipeline_schedule("gpipe", p, m).simulate().peak_activations == (m,) * p
-  assert max(pipeline_schedule("zb-h1", p, m).simulate().peak_activations) <= p
+  assert max(pipeline_schedule("zb-h1", p, m, send_ticks=0).simulate()
+             .peak_activations) <= p
 
 
 def test_simulate_other_costs():
   # GPipe's and 1F1B's bubble does not depend on the F/B ratio.
   for schedule in ("gpipe", "1f1b"):
-    sim = pipeline_schedule(schedule, 4, 8).simulate(1.0, 2.0, 0.5)
+    sim = pipeline_schedule(schedule, 4, 8, send_ticks=0).simulate(1.0, 2.0, 0.5)
     assert sim.bubble_fraction == pytest.approx(3 / 11)
     assert sim.makespan == pytest.approx(11 * 3.5)
   # zb-h1 with a send as long as a forward: slower than without.
-  plan = pipeline_schedule("zb-h1", 4, 8)
+  plan = pipeline_schedule("zb-h1", 4, 8, send_ticks=0)
   assert plan.simulate(send=1.0).makespan > plan.simulate().makespan
 
 
 def test_print_is_a_table():
-  text = str(pipeline_schedule("1f1b", 2, 3))
+  text = str(pipeline_schedule("1f1b", 2, 3, send_ticks=0))
   assert text.splitlines() == [
       "tick  stage 0  stage 1",
       "   0  F0       .",

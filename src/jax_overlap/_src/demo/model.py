@@ -60,7 +60,7 @@ def block(cfg: Config):
     hd = d // cfg.heads
     q, k, v = jnp.split(_norm(x, w["norm1"]) @ w["qkv"], 3, axis=-1)
     heads = lambda t: t.reshape(b, s, cfg.heads, hd)
-    logits = jnp.einsum("bqhe,bkhe->bhqk", heads(q), heads(k)) / np.sqrt(hd)
+    logits = jnp.einsum("bqhe,bkhe->bhqk", heads(q), heads(k)) / float(np.sqrt(hd))
     causal = jnp.tril(jnp.ones((s, s), bool))
     att = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
     mixed = jnp.einsum("bhqk,bkhe->bqhe", att, heads(v)).reshape(b, s, d)

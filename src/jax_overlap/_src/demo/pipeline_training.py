@@ -53,7 +53,7 @@ def run(opts: training.Options, schedule: str, microbatches: int = 8) -> int:
       f"{cfg.d}, {n_params / 1e3:.0f}k parameters; {microbatches} microbatches "
       f"a step, schedule {schedule}.")
   from jax_overlap._src.patterns.pipeline.plan import pipeline_schedule  # noqa: PLC0415
-  plan = pipeline_schedule(schedule, STAGES, microbatches, send_ticks=1)
+  plan = pipeline_schedule(schedule, STAGES, microbatches)
   sim = plan.simulate()
   say(f"   The schedule: {len(plan.table)} ticks, bubble {sim.bubble_fraction:.1%}"
       f" under unit costs, peak activations a stage {list(sim.peak_activations)}"

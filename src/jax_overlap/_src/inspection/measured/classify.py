@@ -2,7 +2,8 @@
 
 With the module's HLO, an event's `hlo_op` is looked up: its opcode says
 (a collective started through `async-start` counts as that start). Without
-it, the name says: `all-gather-start.1`, `psum_invariant.7`,
+it, the opcode the event's own text gives (TPU names events by their HLO
+text) says, else the name: `all-gather-start.1`, `psum_invariant.7`,
 `ncclDevKernel_AllGather_RING_LL(...)`, Triton-named collectives.
 
 Example:
@@ -79,21 +80,29 @@ class OpKinds:
     """The instruction an op's event is reported under."""
     return self.alias.get(op, op)
 
-  def collective_kind(self, hlo_op: str | None, event_name: str) -> str | None:
-    """The kind if the event ran a collective's transfer, else None."""
+  def collective_kind(self, hlo_op: str | None, event_name: str,
+                      event_opcode: str | None = None) -> str | None:
+    """The kind if the event ran a collective's transfer, else None;
+    `event_opcode` is the opcode the event's text gives, if any."""
     if hlo_op is not None and self.module is not None:
       opcode = self.opcodes.get(self.instruction(hlo_op))
       if opcode is not None:
         return _COLLECTIVE_OPCODES.get(opcode)
+    if event_opcode is not None and event_opcode not in ("async-start", "fusion",
+                                                         "custom-call"):
+      return _COLLECTIVE_OPCODES.get(event_opcode)
     if hlo_op is not None:
       return kind_from_name(hlo_op)
     return kind_from_name(event_name)
 
-  def is_compute(self, hlo_op: str | None) -> bool:
-    """Whether a non-collective event is compute (it keeps the device busy)."""
+  def is_compute(self, hlo_op: str | None, event_opcode: str | None = None) -> bool:
+    """Whether a non-collective event is compute (it keeps the device busy):
+    not a loop, call or conditional (their events span their bodies', whose
+    own events count), nor a done (a wait)."""
     if hlo_op is None:
       return False
     opcode = self.opcodes.get(hlo_op) if self.module is not None else None
+    opcode = opcode or event_opcode
     if opcode is not None:
       return opcode not in _NOT_COMPUTE and not opcode.endswith("-done")
     return not (_DONE.search(hlo_op) or _CONTROL_FLOW_NAME.match(hlo_op))

@@ -16,6 +16,7 @@ from jax_overlap._src.inspection.measured.classify import OpKinds
 from jax_overlap._src.inspection.measured.xplane import Capture, read_capture
 from jax_overlap._src.inspection.model.hardware import resolve_hardware
 from jax_overlap._src.inspection.errors import HloParseError
+from jax_overlap._src.inspection.reading import hlo_text
 from jax_overlap._src.inspection.report.overlap_report import OverlapReport
 
 _MODELLED_FIELDS = ("kind", "async", "runs", "comm_s", "exposed_s",
@@ -76,14 +77,34 @@ class MeasuredReport:
 
   @classmethod
   def from_profile(cls, path: str | os.PathLike, hardware=None,
-                   modules=None) -> MeasuredReport:
-    """The report of a profile file, or the newest under a directory.
+                   modules=None, hlo=None) -> MeasuredReport:
+    """The report of a profile file (`.xplane.pb`, or gzipped), or the
+    newest under a directory.
+
+    `hlo`: the compiled module that ran (`compile().as_text()`, or a dump's
+    `*after_optimizations.txt`; text or a path, or a list of them), for a
+    capture whose own HLO cannot be read here (one a jaxlib other than the
+    running one wrote): its instructions give each event's kind and the
+    modelled records. Matched to the capture's module of the same name
+    (`jit_step`); a module given is read in place of the capture's.
 
     Raises:
       ProfileReadError: a missing, empty or malformed profile.
+      HloParseError: `hlo` is not a readable module.
     """
-    return cls.from_capture(read_capture(path), hardware=hardware,
-                            modules=modules)
+    capture = read_capture(path)
+    texts = {}
+    for item in ([] if hlo is None else hlo if isinstance(hlo, (list, tuple))
+                 else [hlo]):
+      module = hlo_text.load_hlo(item)
+      texts[module.name] = module
+      if not any(e.module == module.name for e in capture.events):
+        capture.notes.append(
+            f"the HLO given is of module {module.name}, which did not run in "
+            "this capture (its modules: "
+            f"{', '.join(sorted({str(e.module) for e in capture.events}))})")
+    return cls.from_capture(capture, hardware=hardware, modules=modules,
+                            module_texts=texts)
 
   @classmethod
   def from_capture(cls, capture: Capture, hardware=None, modules=None,
@@ -97,8 +118,8 @@ class MeasuredReport:
     events = [e for e in capture.events
               if modules is None or e.module in modules]
     hlo = dict(module_texts or {})
-    hlo.update({k: v for k, v in _modules_in(capture, notes).items()
-                if k not in hlo and (modules is None or k in modules)})
+    hlo.update({k: v for k, v in _modules_in(capture, notes, set(hlo)).items()
+                if modules is None or k in modules})
     modelled = {}
     for name, module in hlo.items():
       try:
@@ -193,10 +214,11 @@ class MeasuredReport:
     measured_timeline.write_trace(self, path)
 
 
-def _modules_in(capture: Capture, notes: list[str]) -> dict[str, Any]:
+def _modules_in(capture: Capture, notes: list[str],
+                given: set[str]) -> dict[str, Any]:
   """The modules whose HLO the profile carries, read where the running
-  jaxlib wrote them."""
-  names = {e.module for e in capture.events}
+  jaxlib wrote them; not those `given` already."""
+  names = {e.module for e in capture.events} - given
   protos = {k: v for k, v in capture.hlo_protos.items() if k[0] in names}
   if not protos:
     return {}

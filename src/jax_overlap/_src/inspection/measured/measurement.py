@@ -7,6 +7,12 @@ its kernels from one run of the instruction: consecutive kernels of the same
 op on one stream, until another op's event starts on that device after them
 (or the run id changes). So a collective of several kernels runs once, and a
 collective in a loop runs once per iteration.
+
+Where the profile has an event per async pair (TPU's "Async XLA Ops", from
+the start to the done), that event is the collective's occurrence, one per
+pair, and the start's and done's own events are parts of it: neither
+compute nor a collective of their own. The compute inside the pair's window
+is what it hid.
 """
 
 from __future__ import annotations
@@ -63,20 +69,34 @@ def device_timelines(events: list[TimedEvent],
   return out
 
 
+def _pair_halves(events) -> set[tuple]:
+  """(module, instruction) of each start and done that a pair's event spans."""
+  return {(e.module, op) for e in events if e.done is not None
+          for op in (e.hlo_op, e.done)}
+
+
 def _timeline(device, events, kinds) -> DeviceTimeline:
   compute, compute_lines, occurrences = [], set(), []
   open_: dict[tuple, Occurrence] = {}
   line_last: dict[str, tuple] = {}
+  halves = _pair_halves(events)
   for e in events:
+    if e.done is None and (e.module, e.hlo_op) in halves:
+      continue                      # a start's or done's own event: in its pair's
     classify = kinds.get(e.module) or kinds.get(None) or OpKinds(None)
-    kind = classify.collective_kind(e.hlo_op, e.name)
+    kind = classify.collective_kind(e.hlo_op, e.name, e.opcode)
     key = (e.module, classify.instruction(e.hlo_op) if e.hlo_op
            else e.name.split("(")[0])
+    if e.done is not None:          # an async pair's span: one occurrence
+      if kind is not None:
+        occurrences.append(Occurrence(key, kind, e.line, e.run_id,
+                                      [(e.start, e.end)], named_by_kernel=False))
+      continue
     # Another op's event starting after an open occurrence's kernels closes it.
     for k in [k for k, occ in open_.items() if k != key and e.start >= occ.end]:
       del open_[k]
     if kind is None:
-      if classify.is_compute(e.hlo_op) and e.end > e.start:
+      if classify.is_compute(e.hlo_op, e.opcode) and e.end > e.start:
         compute.append((e.start, e.end))
         compute_lines.add(e.line)
       line_last[e.line] = key

@@ -7,7 +7,9 @@ ran is an event with stats `hlo_op`, `hlo_module` and `program_id`:
 - on GPU, on `/device:GPU:N` planes, a line per stream (`Stream #N(...)`);
 - on CPU, on the `/host:CPU` plane, a line per *thread*, with the device in
   the `device_ordinal` stat. One thread serves several devices, so events are
-  grouped by the plane or by that stat, never by the line.
+  grouped by the plane or by that stat, never by the line;
+- on TPU, on `/device:TPU:N` planes, events named by their HLO text, with
+  no stats to say which op or module: `tpu_lines.py` reads those.
 
 Where device planes hold HLO events, the host plane's (kernel launches) are
 left out, so a kernel is never counted twice.
@@ -16,17 +18,17 @@ left out, so a kernel is never counted twice.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import os
 import pathlib
 import re
 import warnings
 from typing import Any
 
-from jax_overlap._src.inspection.measured import hlo_proto
+from jax_overlap._src.inspection.measured import hlo_proto, tpu_lines
 
 _DEVICE_PLANE = re.compile(r"^/device:(GPU|TPU|CPU):(\d+)")
 HOST_PLANE = "/host:CPU"
-TPU_OPS_LINE = "XLA Ops"  # not checked on a real TPU capture
 
 
 class ProfileReadError(ValueError):
@@ -45,6 +47,10 @@ class TimedEvent:
   run_id: int | None
   start: float
   end: float
+  #: the opcode, where the event names its HLO instruction's text (TPU)
+  opcode: str | None = None
+  #: an async pair's event, from its start (`hlo_op`) to its done: the done
+  done: str | None = None
 
   @property
   def op(self) -> str:
@@ -64,7 +70,8 @@ class Capture:
 
 
 def find_profile(path: str | os.PathLike) -> pathlib.Path:
-  """`path` itself if a file; else the newest `*.xplane.pb` under it."""
+  """`path` itself if a file (`.xplane.pb`, or gzipped); else the newest
+  `*.xplane.pb` under it."""
   p = pathlib.Path(path)
   if p.is_file():
     return p
@@ -87,8 +94,10 @@ def read_capture(path: str | os.PathLike) -> Capture:
   file = find_profile(path)
   try:
     data = file.read_bytes()
+    if file.suffix == ".gz":
+      data = gzip.decompress(data)
   except OSError as e:
-    raise ProfileReadError(f"cannot read {str(file)!r}: {e.strerror}") from None
+    raise ProfileReadError(f"cannot read {str(file)!r}: {e.strerror or e}") from None
   capture = read_space(data, source=str(file))
   others = len(list(file.parent.glob("*.xplane.pb"))) - 1
   if others > 0:
@@ -133,19 +142,20 @@ def read_space(data: bytes, source: str = "<xspace>") -> Capture:
 def _plane_events(plane, device: int | None) -> list[TimedEvent]:
   """The events of a plane that belong to a device: an HLO op, or (on a device
   plane) a kernel, which may lack `hlo_op`."""
-  out = []
   with warnings.catch_warnings():
     # jaxlib's stats iterators warn that their type has no __module__.
     warnings.simplefilter("ignore", DeprecationWarning)
-    return _collect(plane, device, out)
+    lines = list(plane.lines)
+    if device is not None and any(tpu_lines.is_tpu_ops_line(l.name) for l in lines):
+      return _tpu_events(lines, device)
+    return _collect(lines, device)
 
 
-def _collect(plane, device, out) -> list[TimedEvent]:
-  for line in plane.lines:
+def _collect(lines, device) -> list[TimedEvent]:
+  out = []
+  for line in lines:
     for event in line.events:
       stats = dict(event.stats)
-      if device is not None and "hlo_op" not in stats and line.name == TPU_OPS_LINE:
-        stats["hlo_op"] = event.name  # TPU names its op events by the op
       ordinal = stats.get("device_ordinal")
       if device is None and (ordinal is None or "hlo_op" not in stats):
         continue
@@ -160,6 +170,45 @@ def _collect(plane, device, out) -> list[TimedEvent]:
           program_id=_int(stats.get("program_id")),
           run_id=_int(stats.get("run_id")),
           start=start, end=start + event.duration_ns * 1e-9))
+  return out
+
+
+def _tpu_events(lines, device: int) -> list[TimedEvent]:
+  """A TPU plane's "XLA Ops" and "Async XLA Ops" events, each named by its
+  instruction (not its text), in the module run around it; an async pair's
+  event carries its done's name in `done`."""
+  runs = []
+  for line in lines:
+    if line.name == tpu_lines.MODULES_LINE:
+      for event in line.events:
+        start = event.start_ns * 1e-9
+        runs.append((start, start + event.duration_ns * 1e-9,
+                     tpu_lines.module_name(event.name),
+                     _int(dict(event.stats).get("run_id"))))
+  modules = tpu_lines.ModuleRuns(runs)
+  out = []
+  for line in lines:
+    if not tpu_lines.is_tpu_ops_line(line.name):
+      continue
+    pairs = line.name == tpu_lines.ASYNC_LINE
+    for event in line.events:
+      stats = dict(event.stats)
+      parsed = tpu_lines.instruction(event.name)
+      name, opcode = parsed if parsed else (event.name, None)
+      if pairs:
+        op, done = name, _str(stats.get("hlo_op"))
+        done = None if done == op else done
+      else:
+        op, done = _str(stats.get("hlo_op")) or name, None
+      start = event.start_ns * 1e-9
+      module, run_id = modules.at(start)
+      out.append(TimedEvent(
+          device=device, line=line.name, name=event.name, hlo_op=op,
+          module=_str(stats.get("hlo_module")) or module,
+          program_id=_int(stats.get("program_id")),
+          run_id=_int(stats.get("run_id")) if "run_id" in stats else run_id,
+          start=start, end=start + event.duration_ns * 1e-9,
+          opcode=opcode, done=done))
   return out
 
 

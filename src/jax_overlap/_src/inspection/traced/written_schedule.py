@@ -116,7 +116,7 @@ def written_schedule(jaxpr, hardware: HardwareProfile,
   builder.add(ENTRY, entry, is_entry=True)
   module = HloModule(name, {"is_scheduled": "true"}, builder.computations,
                      source=f"traced program of {name}")
-  return WrittenSchedule(module, builder.costs, builder.notes)
+  return WrittenSchedule(module, builder.costs, builder.notes())
 
 
 def _is_var(v) -> bool:
@@ -164,7 +164,9 @@ class _Builder:
     # The (kind, label) of the start whose value each instruction holds
     # (the start itself, or a tuple element carrying it through a loop).
     self.flight: dict[str, tuple[str, str]] = {}
-    self.notes: list[str] = []
+    # (source line, branches) -> how often each branch was the costliest:
+    # one note a cond in the source (a pipeline's switch is one a tick)
+    self.conds: dict[tuple[str, int], collections.Counter[int]] = {}
     self.scopes: list[str] = []
 
   # --- instructions -------------------------------------------------------------
@@ -432,9 +434,17 @@ class _Builder:
     if len(branches) > 1:
       where = traced.source_line(eqn)
       at = f" at {where[0]}:{where[1]}" if where else ""
-      self.notes.append(
-          f"A cond{at} has {len(branches)} branches; the costliest (branch "
-          f"{k}) is modelled.")
+      self.conds.setdefault((at, len(branches)), collections.Counter())[k] += 1
+
+  def notes(self) -> list[str]:
+    notes = []
+    for (at, n), chosen in self.conds.items():
+      which = ", ".join(f"branch {k}" + (f" in {c}" if len(chosen) > 1 else "")
+                        for k, c in chosen.most_common())
+      times = sum(chosen.values())
+      notes.append(f"A cond{at} has {n} branches; the costliest ({which}) is "
+                   f"modelled{f' ({times} conds)' if times > 1 else ''}.")
+    return notes
 
   def _drop(self, names) -> None:
     for name in names:

@@ -8,10 +8,13 @@
   kernel on TPU, XLA's operations elsewhere).
 * `layout.py`: which global chunks of the sequence each device holds
   (contiguous or zigzag), and the reordering helpers.
+* `window.py`: sliding windows (`window=`): the argument, and what a pair of
+  chunks is under one.
 * `plan.py`: which (query chunk, key chunk) pairs each ring step computes;
-  a causal pair that is fully masked is not in the plan.
+  a pair that is fully masked is not in the plan, nor a step with none.
 * `ring.py`: `ring_attention`, the key/value rotation as `ppermute_start`
   futures each in flight over one step's blocks, forward and backward.
 * `ulysses.py`: `ulysses_attention`, two all-to-alls around attention on
-  the whole sequence and a slice of the heads.
+  the whole sequence and a slice of the heads (or, with `ring_axis`, around
+  `ring_attention` over a second axis).
 """

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import jax
 import jax.numpy as jnp
 
 from jax_overlap._src import _compat
+from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leading_axis import wrong_leading_axis
 
 
@@ -20,8 +19,9 @@ def axis_size(axis) -> int:
   return size
 
 
-def check_shapes(stage_params, xs, targets, v: int) -> int:
-  """Returns m; raises naming the argument whose leading axis is wrong."""
+def check_shapes(stage_params, xs, targets, v: int, axis) -> int:
+  """Returns m; raises naming the argument whose leading axis is wrong, or
+  that is sharded over the pipeline axis."""
   bad = wrong_leading_axis(stage_params, v)
   if bad:
     raise ValueError(
@@ -30,69 +30,103 @@ def check_shapes(stage_params, xs, targets, v: int) -> int:
         "is global stage j*p + d on device d). Lay the stack of the p*v "
         "stages out with jax_overlap.pipeline_stage_layout and shard it "
         "over the pipeline axis.")
-  if jnp.ndim(xs) < 1:
-    raise ValueError(f"xs has shape {jnp.shape(xs)}: expected m microbatches "
-                     "stacked on axis 0.")
-  m = jnp.shape(xs)[0]
-  bad = wrong_leading_axis(targets, m)
-  if bad:
-    raise ValueError(
-        f"targets{bad[0]} has shape {bad[1]}: "
-        f"expected the {m} microbatches of xs stacked on axis 0.")
+  leaves = jax.tree.leaves(xs)
+  if not leaves or any(jnp.ndim(a) < 1 for a in leaves):
+    got = [jnp.shape(a) for a in leaves]
+    raise ValueError(f"xs has leaves of shapes {got}: expected the m "
+                     "microbatches stacked on axis 0 of every leaf.")
+  m = jnp.shape(leaves[0])[0]
+  names = {axis} if isinstance(axis, str) else set(axis)
+  for name, tree in (("xs", xs), ("targets", targets)):
+    bad = wrong_leading_axis(tree, m)
+    if bad:
+      raise ValueError(
+          f"{name}{bad[0]} has shape {bad[1]}: expected the {m} microbatches "
+          "of xs stacked on axis 0.")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      over = names & _varying.varying(leaf)
+      if over:
+        raise ValueError(
+            f"{name}{jax.tree_util.keystr(path)} is sharded over the pipeline "
+            f"axis {sorted(over)[0]!r} (its in_specs entry names it): every "
+            f"stage reads all {m} microbatches, so {name} must be the same on "
+            "every device of the pipeline axis. Give it an in_specs entry "
+            "without that axis (e.g. P(), or P(None, 'data') to shard the "
+            "batch over another axis).")
   return m
 
 
-def check_stage_fn(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
-                   xs, targets, axis) -> None:
-  """stage_fn keeps the activation's shape and holds no collective over the
-  pipeline axis (each device runs another stage: it would wait forever or
-  mix stages); loss_fn returns a scalar."""
-  one = jax.tree.map(lambda a: a[0], stage_params)
-  x = xs[0]
-  closed = jax.make_jaxpr(stage_fn)(one, x)
-  y = closed.out_avals
-  if len(y) != 1 or y[0].shape != x.shape or y[0].dtype != x.dtype:
-    got = ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in y)
+def check_stage_output(x, out) -> None:
+  """stage_fn keeps the activation's structure, shapes and dtypes."""
+  same = (jax.tree.structure(x) == jax.tree.structure(out) and all(
+      jnp.shape(a) == b.shape and jnp.result_type(a) == b.dtype
+      for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(out))))
+  if not same:
+    show = lambda t: jax.tree.map(
+        lambda a: f"{jnp.result_type(a).name}{list(jnp.shape(a))}", t)
     raise ValueError(
-        f"stage_fn must return an array of its input activation's shape and "
-        f"dtype, {x.dtype.name}{list(x.shape)}; it returned {got}. Every "
-        "stage of a pipeline passes the same activation shape on.")
-  names = {axis} if isinstance(axis, str) else set(axis)
-  found = _collective_over(closed.jaxpr, names)
-  if found:
+        f"stage_fn must return an activation of its input's structure, shapes "
+        f"and dtypes, {show(x)}; it returned {show(out)}. Every stage of a "
+        "pipeline passes the same activation on (an embedding goes in "
+        "`before=`, a head in `loss_fn`).")
+
+
+def check_loss_output(loss, has_aux: bool) -> None:
+  if not hasattr(loss, "shape") or loss.shape != ():
+    what = "(scalar, aux)" if has_aux else "a scalar"
+    raise ValueError(f"loss_fn must return {what} (the loss of one "
+                     f"microbatch); it returned a loss of {loss}.")
+
+
+_FN = {"stage": "stage_fn", "loss": "loss_fn", "embed": "before"}
+
+
+def refuse_pipeline_collective(piece: str, names: frozenset, axis) -> None:
+  """No collective over the pipeline axis in a piece: each device runs
+  another stage at each tick, so it would wait forever or mix stages."""
+  if names & ({axis} if isinstance(axis, str) else set(axis)):
     raise ValueError(
-        f"stage_fn holds a collective over the pipeline axis {axis!r} "
-        f"({found}): each device runs another stage at each tick, so no "
-        "collective over that axis can run inside a stage. Use another mesh "
-        "axis (tensor or FSDP parallelism) inside stage_fn.")
-  out = jax.eval_shape(loss_fn, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                       jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-                           a.shape[1:], a.dtype), targets))
-  if not hasattr(out, "shape") or out.shape != ():
-    raise ValueError(f"loss_fn must return a scalar (the loss of one "
-                     f"microbatch); it returned {out}.")
+        f"{_FN[piece]} holds a collective over the pipeline axis {axis!r}: "
+        "each device runs another stage at each tick, so no collective over "
+        "that axis can run inside a stage. Use another mesh axis (tensor or "
+        "FSDP parallelism) inside it.")
+
+
+def choose_dispatch(dispatch, collective: frozenset, found: dict) -> str:
+  """'lockstep' where a piece holds a collective, else 'switch'; an asked-for
+  'switch' with collectives is refused (devices of one group would run
+  different collectives at one tick)."""
+  if dispatch == "switch" and collective:
+    piece = sorted(collective)[0]
+    raise ValueError(
+        f"pipeline_loss(dispatch='switch'): {_FN[piece]} holds a collective "
+        f"over {sorted(found[piece])}; with 'switch' devices at different "
+        "actions would run different collectives at one tick, which XLA does "
+        "not define (on CPU it hangs). Use dispatch='lockstep' or None.")
+  if dispatch is None:
+    return "lockstep" if collective else "switch"
+  return dispatch
+
+
+def collective_axes(jaxpr) -> frozenset:
+  """The mesh axes the collectives in `jaxpr` (and its sub-jaxprs) name."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _NOT_COLLECTIVES:
+      for key in ("axis_name", "axes", "axis_names"):
+        val = eqn.params.get(key)
+        vals = val if isinstance(val, (tuple, list, frozenset, set)) else (val,)
+        found |= {n for n in vals if isinstance(n, str)}
+    for val in eqn.params.values():
+      for sub in _subjaxprs(val):
+        found |= collective_axes(sub)
+  return frozenset(found)
 
 
 #: Primitives naming an axis that move no data (type casts, the index).
 _NOT_COLLECTIVES = frozenset({"pvary", "pcast", "pbroadcast", "axis_index",
                               "core_call"})
 
-
-def _collective_over(jaxpr, names) -> str | None:
-  for eqn in jaxpr.eqns:
-    keys = () if eqn.primitive.name in _NOT_COLLECTIVES else (
-        "axis_name", "axes", "axis_names")
-    for key in keys:
-      val = eqn.params.get(key)
-      vals = val if isinstance(val, (tuple, list, frozenset, set)) else (val,)
-      if any(isinstance(n, str) and n in names for n in vals):
-        return eqn.primitive.name
-    for val in eqn.params.values():
-      for sub in _subjaxprs(val):
-        found = _collective_over(sub, names)
-        if found:
-          return found
-  return None
 
 
 def _subjaxprs(val):

@@ -1,20 +1,28 @@
 """Runs any `PipelinePlan` inside `shard_map`: one executor for every schedule.
 
-The ticks are unrolled. At each, every device runs its action, chosen by its
-axis index (`lax.switch` over the tick's branches; no collective in any
-branch), then the tick's sends start as `ppermute_start` futures: one
-carrying activations to the next stage, one carrying cotangents back. A send
-is finished after the next tick's compute where no device needs it sooner
+The ticks are unrolled. At each, every device runs its action (work.py),
+then the tick's sends start as `ppermute_start` futures: one carrying
+activations to the next stage, one carrying cotangents back. A send is
+finished after the next tick's compute where no device needs it sooner
 (buffers.py), so it is in flight while that tick computes. A backward action
 recomputes its stage's forward from the stage input it kept (each stage is
 rematerialised, as `jax.checkpoint` of it would be), so a device holds one
-activation a live microbatch. Values and gradients equal the plain model's:
-tests/patterns/pipeline/pipeline_loss_test.py.
+activation a live microbatch.
+
+Two dispatches. `switch`: each device runs only its own action, chosen by
+its axis index with `lax.switch`. Devices of one collective group (over
+another mesh axis) would then run different collective instructions at one
+tick, which XLA does not define (on CPU its rendezvous waits forever), so a
+model whose stage, loss or embedding holds a collective runs in `lockstep`:
+at each tick every device runs the same program, one slot for each kind of
+action the tick holds, each device's flags masking what it keeps
+(work.py). Values and gradients equal the plain model's:
+tests/patterns/pipeline/pipeline_loss_test.py, pipeline_compose_test.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,37 +31,58 @@ from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
-from jax_overlap._src.patterns.pipeline.tick_names import label
+from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
+from jax_overlap._src.patterns.pipeline.tick_names import label
+from jax_overlap._src.patterns.pipeline.work import Model, Work, float_leaves
+
+DISPATCHES = ("switch", "lockstep")
+
+#: (kind, first stage, last stage) of each of buffers.py's branches.
+_VARIANT = {_buffers.IDLE: None, _buffers.F_FIRST: (F, True, False),
+            _buffers.F_MID: (F, False, False), _buffers.F_LAST: (F, False, True),
+            _buffers.B_FIRST: (B, True, False), _buffers.B_MID: (B, False, False),
+            _buffers.I_FIRST: (I, True, False), _buffers.I_MID: (I, False, False),
+            _buffers.W_ANY: (W, False, False)}
 
 
-def execute(plan: PipelinePlan, stage_fn: Callable, loss_fn: Callable,
-            params: Any, xs, targets, axis, *, with_grads: bool):
-  """The mean loss and, with_grads, this device's parts of its gradients
-  with respect to `params` (its chunks) and `xs`: each part varies over
-  every axis an input does, and `reduce_like` sums it to its primal's type
-  (after the loss's cotangent scales it: that may vary too)."""
+def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
+            targets, axis, *, axes: tuple, with_grads: bool, dispatch: str,
+            zero_act, zero_aux):
+  """The mean loss, the aux values stacked over the microbatches and, with
+  `with_grads`, this device's parts of the gradients of the summed loss / m
+  with respect to the float leaves of `params` (its chunks), `consts`, `xs`
+  and `targets`, as lists: each part varies over every axis an input does,
+  and `reduce_like` sums it to its primal's type (after the loss's
+  cotangent scales it: that may vary too). `axes`: every mesh axis an input
+  varies over (`all_axes`), which the buffers and sends vary over."""
   prog = _buffers.program(plan)
   m = plan.microbatches
-  axes = _all_axes((params, xs, targets), axis)
   vary = lambda a: _varying.vary_over(a, axes)
-  zero_act = vary(jnp.zeros(xs.shape[1:], xs.dtype))
-  state = dict(
-      inputs=vary(jnp.zeros((max(prog.slots, 1),) + xs.shape[1:], xs.dtype)),
-      dys=vary(jnp.zeros((max(prog.slots, 1),) + xs.shape[1:], xs.dtype)),
-      grads=jax.tree.map(lambda a: vary(jnp.zeros_like(a)), params),
-      dxs=vary(jnp.zeros_like(xs)),
-      loss=vary(jnp.zeros((), jnp.float32)),
-  )
-  branches = _branches(stage_fn, loss_fn, m, with_grads, zero_act, vary)
+  rows = max(prog.slots, 1)
+  stack = lambda a, n: vary(jnp.zeros((n,) + jnp.shape(a), a.dtype))
+  state = dict(inputs=jax.tree.map(lambda a: stack(a, rows), zero_act),
+               loss=vary(jnp.zeros((), jnp.float32)),
+               aux=jax.tree.map(lambda a: stack(a, m), zero_aux))
+  if with_grads:
+    state.update(
+        dys=[stack(a, rows) for a in float_leaves(zero_act)],
+        grads=[vary(jnp.zeros_like(a)) for a in float_leaves(params)],
+        dconsts=[vary(jnp.zeros_like(a)) for a in float_leaves(consts)],
+        dxs=[vary(jnp.zeros_like(a)) for a in float_leaves(xs)],
+        dtargets=[vary(jnp.zeros_like(a)) for a in float_leaves(targets)])
+  work = Work(model, m, with_grads, vary, jax.tree.map(vary, zero_act))
   me = jax.lax.axis_index(axis)
   pending = []
   for t, tick in enumerate(prog.ticks):
     with jax.named_scope(f"pipeline_tick_{t}"):   # profiles name the tick
-      state, out_fwd, out_bwd = _run_tick(tick, branches, state, params, xs,
-                                          targets, me)
-      for fut, send, buffer in pending:
-        state[buffer] = _write(state[buffer], fut.done(), send.slots, me)
+      operands = (state, params, consts, xs, targets, _pick(tick.microbatch, me),
+                  _pick(tick.chunk, me), _pick(tick.slot, me))
+      run = _lockstep_tick if dispatch == "lockstep" else _switch_tick
+      state, out_fwd, out_bwd = run(tick, work, operands, me)
+      for futs, send, buffer in pending:
+        state[buffer] = _write_all(state[buffer], [f.done() for f in futs],
+                                   send.slots, me)
       pending = []
       for send, out, buffer, what in (
           (tick.forward, out_fwd, "inputs", "activations"),
@@ -61,19 +90,24 @@ def execute(plan: PipelinePlan, stage_fn: Callable, loss_fn: Callable,
         if send is None:
           continue
         with moving(label(t, what, plan.table[t])):   # the report's leaf
-          fut = ppermute_start(out, axis, send.perm)
+          futs = [ppermute_start(a, axis, send.perm) for a in jax.tree.leaves(out)]
         if send.deferred:
-          pending.append((fut, send, buffer))
+          pending.append((futs, send, buffer))
         else:
-          state[buffer] = _write(state[buffer], fut.done(), send.slots, me)
+          state[buffer] = _write_all(state[buffer], [f.done() for f in futs],
+                                     send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
-  loss = jax.lax.psum(state["loss"], axis) / m   # only the last stage's is not 0
+  # only the last stage's are not 0
+  loss = jax.lax.psum(state["loss"], axis) / m
+  aux = jax.tree.map(lambda a: jax.lax.psum(a, axis), state["aux"])
   if not with_grads:
-    return loss
-  return loss, state["grads"], state["dxs"]
+    return loss, aux
+  return (loss, aux, state["grads"], state["dconsts"], state["dxs"],
+          state["dtargets"])
 
 
-def _all_axes(tree, axis) -> tuple:
+def all_axes(tree, axis) -> tuple:
+  """`axis` and every mesh axis a leaf of `tree` varies over, sorted."""
   axes = {axis} if isinstance(axis, str) else set(axis)
   for leaf in jax.tree.leaves(tree):
     axes |= _varying.varying(leaf)
@@ -93,6 +127,14 @@ def _pick(table, me):
   return jnp.asarray(table, jnp.int32)[me]
 
 
+def _write_all(buffer, values, slots, me):
+  """Each received leaf into its row of `buffer` (a tree or list of
+  [rows, ...] arrays with the leaves in the same order)."""
+  leaves, tree = jax.tree.flatten(buffer)
+  return jax.tree.unflatten(tree, [_write(b, v, slots, me)
+                                   for b, v in zip(leaves, values)])
+
+
 def _write(buffer, value, slots, me):
   slot = _pick(slots, me)
   row = jnp.maximum(slot, 0)
@@ -101,84 +143,32 @@ def _write(buffer, value, slots, me):
   return jax.lax.dynamic_update_index_in_dim(buffer, new, row, 0)
 
 
-def _run_tick(tick, branches, state, params, xs, targets, me):
+def _switch_tick(tick, work, operands, me):
+  """Each device runs its own action's variant."""
   present = sorted(set(tick.branch))
-  operands = (state, params, xs, targets, _pick(tick.microbatch, me),
-              _pick(tick.chunk, me), _pick(tick.slot, me))
-  if len(present) == 1:
-    return branches[present[0]](operands)
+  fns = [work.idle if _VARIANT[b] is None else
+         work.action(_VARIANT[b][0], _VARIANT[b][1], _VARIANT[b][2], True)
+         for b in present]
+  if len(fns) == 1:
+    return fns[0](operands)
   local = [present.index(b) for b in tick.branch]
-  return jax.lax.switch(_pick(local, me), [branches[b] for b in present],
-                        operands)
+  return jax.lax.switch(_pick(local, me), fns, operands)
 
 
-def _branches(stage_fn, loss_fn, m, with_grads, zero_act, vary):
-  """The nine actions, each `(state, params, xs, targets, microbatch, chunk,
-  slot) -> (state, sent forward, sent back)`; built once, so that jax
-  traces each once for every tick's switch."""
-  at = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-  put = lambda a, v, i: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0)
-  chunk_of = lambda params, j: jax.tree.map(lambda a: at(a, j), params)
-
-  def out(state, fwd=None, bwd=None):
-    state = jax.tree.map(vary, state)
-    return (state, zero_act if fwd is None else vary(fwd.astype(zero_act.dtype)),
-            zero_act if bwd is None else vary(bwd.astype(zero_act.dtype)))
-
-  def idle(ops):
-    return out(ops[0])
-
-  def forward(first, last):
-    def run(ops):
-      state, params, xs, targets, i, j, s = ops
-      state = dict(state)
-      x = at(xs, i) if first else at(state["inputs"], s)
-      if first:
-        state["inputs"] = put(state["inputs"], x, s)
-      y = stage_fn(chunk_of(params, j), x)
-      if not last:
-        return out(state, fwd=y)
-      target = jax.tree.map(lambda a: at(a, i), targets)
-      if with_grads:
-        l, dy = jax.value_and_grad(loss_fn)(y, target)
-        state["dys"] = put(state["dys"], dy / m, s)
-      else:
-        l = loss_fn(y, target)
-      state["loss"] = state["loss"] + l.astype(jnp.float32)
-      return out(state)
-    return run
-
-  def backward(first, inputs_grad, weights_grad):
-    def run(ops):
-      state, params, xs, targets, i, j, s = ops
-      state = dict(state)
-      x, dy = at(state["inputs"], s), at(state["dys"], s)
-      w = chunk_of(params, j)
-      dx = None
-      if inputs_grad and weights_grad:
-        _, vjp = jax.vjp(stage_fn, w, x)
-        dw, dx = vjp(dy.astype(x.dtype))
-      elif inputs_grad:
-        _, vjp = jax.vjp(lambda x_: stage_fn(w, x_), x)
-        (dx,) = vjp(dy.astype(x.dtype))
-      else:
-        _, vjp = jax.vjp(lambda w_: stage_fn(w_, x), w)
-        (dw,) = vjp(dy.astype(x.dtype))
-      if weights_grad:
-        state["grads"] = jax.tree.map(lambda g, d: put(g, at(g, j) + d, j),
-                                      state["grads"], dw)
-      if dx is None:
-        return out(state)
-      if first:
-        state["dxs"] = put(state["dxs"], dx, i)
-        return out(state)
-      return out(state, bwd=dx)
-    return run
-
-  B = _buffers
-  table = {B.IDLE: idle, B.F_FIRST: forward(True, False),
-           B.F_MID: forward(False, False), B.F_LAST: forward(False, True),
-           B.B_FIRST: backward(True, True, True), B.B_MID: backward(False, True, True),
-           B.I_FIRST: backward(True, True, False), B.I_MID: backward(False, True, False),
-           B.W_ANY: backward(False, False, True)}
-  return [table[k] for k in range(9)]
+def _lockstep_tick(tick, work, operands, me):
+  """Every device runs one slot for each kind of action the tick holds."""
+  variants = [_VARIANT[b] for b in tick.branch]
+  kinds = [k for k in (F, B, I, W) if any(v and v[0] == k for v in variants)]
+  flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)
+  first = flag([bool(v and v[1]) for v in variants])
+  last = flag([bool(v and v[2]) for v in variants])
+  state, out_fwd, out_bwd = work.idle(operands)
+  for kind in kinds:
+    active = flag([bool(v and v[0] == kind) for v in variants])
+    ops = (state,) + operands[1:]
+    state, fwd, bwd = work.action(kind, first, last, active)(ops)
+    if kind == F:
+      out_fwd = fwd
+    elif kind in (B, I):   # a W sends nothing
+      out_bwd = bwd
+  return state, out_fwd, out_bwd

@@ -19,40 +19,72 @@ import jax
 
 from jax_overlap._src.patterns.pipeline import checks as _checks
 from jax_overlap._src.patterns.pipeline import plan as _plan
-from jax_overlap._src.patterns.pipeline.executor import execute, reduce_like
+from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
+                                                         reduce_like)
+from jax_overlap._src.patterns.pipeline.pieces import model_of
+from jax_overlap._src.patterns.pipeline.work import (float0_like, is_float,
+                                                    with_floats)
 
 
 def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                   xs, targets, *, axis, schedule: str = "1f1b",
-                  virtual_stages: int = 1, send_ticks: int = 1):
-  """The mean over m microbatches of `loss_fn(stages(x), target)`, the
-  stages pipelined over the devices of `axis`; call inside `jax.shard_map`.
+                  virtual_stages: int = 1, send_ticks: int | None = None,
+                  before: Callable | None = None, has_aux: bool = False,
+                  dispatch: str | None = None):
+  """The mean over m microbatches of `loss_fn(stages(before(x)), target)`,
+  the stages pipelined over the devices of `axis`; call inside
+  `jax.shard_map`.
 
   Args:
-    stage_fn: `stage_fn(params, x) -> x`, one stage; the activation's shape
-      and dtype are kept. No collective over `axis` inside (another mesh
-      axis, for FSDP or tensor parallelism, is fine).
-    loss_fn: `loss_fn(y, target) -> scalar`, one microbatch's loss.
+    stage_fn: `stage_fn(params, x) -> x`, one stage; the activation's
+      structure, shapes and dtypes are kept (a pytree: a hidden state with
+      its positions or segment ids). Declaring a keyword `microbatch` (e.g.
+      `def stage(params, x, *, microbatch)`) gets the microbatch's index, a
+      traced int (fold it into a dropout key). No collective over `axis`
+      inside; any other mesh axis is fine (FSDP, tensor, context or expert
+      parallelism: see `dispatch`).
+    loss_fn: `loss_fn(y, target) -> scalar`, one microbatch's loss on the
+      last stage's output (`(scalar, aux)` with `has_aux`). It may close
+      over traced values, such as an LM head's weights: their gradients
+      flow.
     stage_params: a pytree whose leaves have a leading axis of size
       `virtual_stages` here; entry j on device d is global stage j*p + d
       (`pipeline_stage_layout` lays a stack of the p*v stages out so).
-    xs: `[m, ...]`, the microbatches' inputs, the same on every device.
-    targets: a pytree of `[m, ...]` leaves, the same on every device.
+      Integer and key leaves get float0 gradients.
+    xs: a pytree of `[m, ...]` leaves, the microbatches' inputs, the same on
+      every device of `axis` (replicated over it; sharded over other axes
+      as the batch is).
+    targets: a pytree of `[m, ...]` leaves, likewise. Float targets get
+      gradients (they may depend on what is differentiated).
     axis: the pipeline's mesh axis, p devices.
     schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
       (`pipeline_schedule` prints each).
     virtual_stages: v, chunks a device (for "interleaved").
-    send_ticks: 1 (default): each stage-to-stage send is in flight while the
-      next tick computes, for a longer table (`pipeline_schedule(...,
-      send_ticks=1)`); 0: each send is waited for before the next tick, the
-      literature's table.
+    send_ticks: None (default): 1F1B and interleaved run one kind of action
+      a tick, forward and backward ticks alternating, so each send is in
+      flight over a tick of the other kind and the table has the
+      literature's tick count; GPipe and ZB-H1 give each send a tick (1).
+      An int: each send in flight over that many ticks of its own (0: waited
+      for before the next tick). `pipeline_schedule` prints each table.
+    before: `before(x) -> activation`, run on the first stage for each
+      microbatch's `xs` entry (the embedding: xs may then be token ids).
+      It may close over traced values (the embedding table): their
+      gradients flow.
+    has_aux: `loss_fn` returns `(loss, aux)`; pipeline_loss then returns
+      `(mean loss, aux)` with aux's leaves stacked over the m microbatches.
+    dispatch: "switch": each device runs only its own action at a tick;
+      "lockstep": every device runs the same program at each tick, masked
+      (needed when any device of a collective group would otherwise run a
+      collective another does not); None (default): "lockstep" where
+      `stage_fn`, `loss_fn` or `before` holds a collective, else "switch".
 
   Returns:
     The mean loss, the same on every device of `axis`. It is typed as
     varying over every other mesh axis an input varies over: `pmean` it
-    over a data-parallel, FSDP or tensor axis (tests/patterns/pipeline/
-    pipeline_tp_test.py). `jax.grad` of it with respect to `stage_params`
-    and `xs` gives the gradients of that mean.
+    over a data-parallel, FSDP or tensor axis (docs/pipeline.md, "Composing
+    the axes"). `jax.grad` of it gives the gradients of that mean with
+    respect to `stage_params`, `xs`, `targets` and what `loss_fn`,
+    `stage_fn` and `before` close over.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -72,32 +104,46 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     Array(36., dtype=float32)
   """
   p = _checks.axis_size(axis)
-  m = _checks.check_shapes(stage_params, xs, targets, virtual_stages)
+  m = _checks.check_shapes(stage_params, xs, targets, virtual_stages, axis)
+  if dispatch is not None and dispatch not in DISPATCHES:
+    raise ValueError(f"pipeline_loss(dispatch={dispatch!r}): expected one of "
+                     f"{DISPATCHES} or None (chosen from the model).")
   plan = _plan.pipeline_schedule(schedule, p, m, virtual_stages,
                                  send_ticks=send_ticks)
-  forward = _plan.place("forward", p, m, virtual_stages, send_ticks)
-  _checks.check_stage_fn(stage_fn, loss_fn, stage_params, xs, targets, axis)
+  forward = _plan.place("forward", p, m, virtual_stages, plan.send_ticks)
+  built = model_of(stage_fn, loss_fn, before, has_aux, stage_params, xs,
+                   targets, axis)
+  dispatch = _checks.choose_dispatch(dispatch, built.model.collective,
+                                     built.collective_axes)
+  run_plan = lambda plan_, params, consts, xs_, targets_, grads: execute(
+      plan_, built.model, params, consts, xs_, targets_, axis,
+      axes=built.axes, with_grads=grads, dispatch=dispatch, zero_act=built.zero_act,
+      zero_aux=built.zero_aux)
 
   @jax.custom_vjp
-  def run(params, xs, targets):
-    return execute(forward, stage_fn, loss_fn, params, xs, targets, axis,
-                   with_grads=False)
+  def run(params, consts, xs, targets):
+    return run_plan(forward, params, consts, xs, targets, False)
 
-  def run_fwd(params, xs, targets):
-    params, xs = _first_order_only((params, xs))
-    loss, grads, dxs = execute(plan, stage_fn, loss_fn, params, xs, targets,
-                               axis, with_grads=True)
-    return loss, (grads, dxs, params, xs)
+  def run_fwd(params, consts, xs, targets):
+    params, consts, xs, targets = _first_order_only((params, consts, xs, targets))
+    loss, aux, *grads = run_plan(plan, params, consts, xs, targets, True)
+    return (loss, aux), (grads, (params, consts, xs, targets))
 
   def run_bwd(res, ct):
-    grads, dxs, params, xs = res
+    grads, primals = res
+    ct = ct[0]   # the aux values get no gradient
     # each device's part scaled by its own cotangent, then summed
     scale = lambda g, like: reduce_like((ct * g).astype(g.dtype), like)
-    # targets get no gradient (None: a zero cotangent, integer labels too)
-    return jax.tree.map(scale, grads, params), scale(dxs, xs), None
+    out = []
+    for parts, like in zip(grads, primals):
+      floats = [a for a in jax.tree.leaves(like) if is_float(a)]
+      out.append(with_floats(like, [scale(g, f) for g, f in zip(parts, floats)],
+                             float0_like))
+    return tuple(out)
 
   run.defvjp(run_fwd, run_bwd)
-  return run(stage_params, xs, targets)
+  loss, aux = run(stage_params, built.consts, xs, targets)
+  return (loss, aux) if has_aux else loss
 
 
 @jax.custom_jvp

@@ -2,7 +2,13 @@
 
 The planner places each device's order (orders.py) on ticks: an action runs
 at the first tick its inputs are there, a stage-to-stage send arriving
-`send_ticks` ticks after the tick that made it. Zero-bubble's W's are placed
+`send_ticks` ticks after the tick that made it. With `send_ticks=None` (what
+`pipeline_loss` runs by default for 1F1B and interleaved) every tick holds one
+kind of action, forward and backward ticks alternating where both are ready:
+a send then has a tick of the other kind to be in flight over (only the
+warm-up's and the drain's are waited for), the table has the literature's
+tick count, and devices of a collective group never run different actions
+(lockstep costs nothing). Zero-bubble's W's are placed
 here: a device runs a pending W where its next F or I cannot run, or where an
 F would hold more activations than 1F1B's stage 0 (so the peak stays
 1F1B's).
@@ -37,15 +43,15 @@ class PipelinePlan:
   Example:
     >>> import jax_overlap
     >>> plan = jax_overlap.pipeline_schedule("1f1b", stages=2, microbatches=3)
-    >>> print(plan)
+    >>> print(plan)   # what pipeline_loss runs: one kind of action a tick
     tick  stage 0  stage 1
        0  F0       .
        1  F1       F0
        2  .        B0
-       3  B0       F1
-       4  F2       B1
-       5  B1       F2
-       6  .        B2
+       3  F2       F1
+       4  B0       B1
+       5  .        F2
+       6  B1       B2
        7  B2       .
     >>> plan.simulate().bubble_fraction   # (p-1)/(m+p-1)
     0.25
@@ -54,7 +60,7 @@ class PipelinePlan:
   stages: int
   microbatches: int
   virtual_stages: int
-  send_ticks: int
+  send_ticks: int | None     # None: one kind of action a tick, alternating
   table: tuple[tuple[Action | None, ...], ...]
 
   @property
@@ -84,7 +90,7 @@ class PipelinePlan:
     bubble fraction and each device's peak live activations (a microbatch's
     activations on a chunk are live from its F's start to the end of its B,
     or of its W)."""
-    send = float(self.send_ticks) if send is None else send
+    send = float(self.send_ticks or 0) if send is None else send
     cost = {F: forward, B: backward_input + backward_weight,
             I: backward_input, W: backward_weight}
     finish: dict = {}
@@ -137,8 +143,22 @@ def _peak(spans) -> int:
   return peak
 
 
-def place(schedule: str, p: int, m: int, v: int, send_ticks: int) -> PipelinePlan:
+#: The schedules whose default table has one kind of action a tick.
+ALTERNATING = ("1f1b", "interleaved", "forward")
+
+
+def default_send_ticks(schedule: str) -> int | None:
+  """What `send_ticks=None` means for `schedule`: one kind a tick (None)
+  for 1F1B and interleaved; a tick a send (1) for GPipe, whose sends all
+  feed the next tick, and ZB-H1, whose W's fill ticks beside F's and I's."""
+  return None if schedule in ALTERNATING else 1
+
+
+def place(schedule: str, p: int, m: int, v: int,
+          send_ticks: int | None) -> PipelinePlan:
   """Places the schedule's orders on ticks (see the module docstring)."""
+  if send_ticks is None:
+    return _place_alternating(schedule, p, m, v)
   order = _orders.orders(schedule, p, m, v, send_ticks)
   zero_bubble = schedule == "zb-h1"
   # zb-h1 keeps every device's live activations under 1F1B's peak, stage 0's
@@ -181,9 +201,44 @@ def place(schedule: str, p: int, m: int, v: int, send_ticks: int) -> PipelinePla
   return PipelinePlan(schedule, p, m, v, send_ticks, tuple(table))
 
 
+def _place_alternating(schedule: str, p: int, m: int, v: int) -> PipelinePlan:
+  """One kind of action a tick: the kind not run the tick before where a
+  device is ready for it, else the kind most devices are ready for. 1F1B's
+  warm-up is its order for sends a tick long (2 (p-1-d) forwards on device
+  d): the forwards of the steady state then alternate with backwards and the
+  table is 2 (m+p-1) ticks."""
+  order = _orders.orders(schedule, p, m, v, 1 if schedule == "1f1b" else 0)
+  done_at: dict = {}
+  pointer = [0] * p
+  todo = sum(len(o) for o in order)
+  table: list[tuple[Action | None, ...]] = []
+  last_kind = None
+  while todo:
+    t = len(table)
+    if t > 8 * (todo + p) + len(table):
+      raise AssertionError(f"{schedule}: no progress placing ({p}, {m}, {v})")
+    ready: dict[str, list[int]] = {}
+    for d in range(p):
+      nxt = order[d][pointer[d]] if pointer[d] < len(order[d]) else None
+      if nxt is not None and all(key in done_at and done_at[key] < t
+                                 for key, _ in _deps(nxt, d, p, v)):
+        ready.setdefault(nxt.kind, []).append(d)
+    row: list[Action | None] = [None] * p
+    if ready:
+      kind = min(ready, key=lambda k: (k == last_kind, -len(ready[k])))
+      for d in ready[kind]:
+        row[d] = order[d][pointer[d]]
+        pointer[d] += 1
+        todo -= 1
+        done_at[_key(row[d], d, p)] = t
+      last_kind = kind
+    table.append(tuple(row))
+  return PipelinePlan(schedule, p, m, v, None, tuple(table))
+
+
 def pipeline_schedule(schedule: str, stages: int, microbatches: int,
-                      virtual_stages: int = 1, *, send_ticks: int = 0
-                      ) -> PipelinePlan:
+                      virtual_stages: int = 1, *,
+                      send_ticks: int | None = None) -> PipelinePlan:
   """The table of a pipeline schedule: for each tick and stage, the action.
 
   Args:
@@ -195,9 +250,14 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     microbatches: m.
     virtual_stages: v, chunks a device; global stage `j*p + d` is chunk j of
       device d.
-    send_ticks: ticks a stage-to-stage send is in flight; 0 gives the
-      literature's tables, 1 is what `pipeline_loss` runs (each send in
-      flight while the next tick computes).
+    send_ticks: None (default): what `pipeline_loss` runs by default: for
+      1F1B and interleaved one kind of action a tick, forward and backward
+      ticks alternating, each send in flight over a tick of the other kind
+      (the literature's tick count; only the warm-up's and the drain's sends
+      are waited for); for GPipe and ZB-H1 1. An int: ticks a send is in
+      flight, each a tick of its own (0: the literature's tables with sends
+      that take no time; 1: each send in flight while the next tick
+      computes).
 
   Returns:
     A `PipelinePlan`: `print` it; `.simulate(forward=, backward_input=,
@@ -205,12 +265,15 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
 
   Example:
     >>> import jax_overlap
-    >>> plan = jax_overlap.pipeline_schedule("gpipe", 4, 8)
+    >>> plan = jax_overlap.pipeline_schedule("1f1b", 4, 8)
     >>> sim = plan.simulate()
-    >>> round(sim.bubble_fraction, 4), sim.peak_activations
-    (0.2727, (8, 8, 8, 8))
+    >>> plan.ticks, round(sim.bubble_fraction, 4), sim.peak_activations
+    (22, 0.2727, (7, 5, 3, 1))
   """
   _orders.check_arguments(schedule, stages, microbatches, virtual_stages)
-  if not isinstance(send_ticks, int) or send_ticks < 0:
-    raise ValueError(f"send_ticks={send_ticks!r}: expected an int >= 0.")
+  if send_ticks is None:
+    send_ticks = default_send_ticks(schedule)
+  elif not isinstance(send_ticks, int) or isinstance(send_ticks, bool) \
+      or send_ticks < 0:
+    raise ValueError(f"send_ticks={send_ticks!r}: expected None or an int >= 0.")
   return place(schedule, stages, microbatches, virtual_stages, send_ticks)
