@@ -212,6 +212,31 @@ def test_flops_from_shapes():
   assert shape_costs(dot, wrapped.entry, wrapped)[0] == 2 * 1024 * 512 * 512
 
 
+def test_flops_a_pallas_kernel_states():
+  # A Pallas TPU kernel's custom call carries pallas_call's cost_estimate
+  # in its backend config (the v5e compiler's text of ring_attention's
+  # flash kernel, shortened): its flops are those; another custom call
+  # (no estimate) has none from shapes.
+  config = json.dumps({"custom_call_config": {
+      "body": "...", "cost_estimate": {"flops": "137438953472",
+                                        "transcendentals": "268435456",
+                                        "bytes_accessed": "50331648"}}})
+  module = parse_hlo_text(f"""HloModule m, is_scheduled=true
+
+ENTRY %main {{
+  %q = bf16[1,8192,1024]{{2,1,0}} parameter(0)
+  %k = bf16[1,8192,1024]{{2,1,0}} parameter(1)
+  %kernel = (f32[1,8192,1024]{{2,1,0}}, f32[1,8,1,8192]{{3,2,1,0}}) custom-call(%q, %k), custom_call_target="tpu_custom_call", backend_config={json.dumps(config)}
+  ROOT %other = bf16[1,8192,1024]{{2,1,0}} custom-call(%q), custom_call_target="Sharding"
+}}
+""")
+  entry = module.entry
+  flops, nbytes = shape_costs(entry.by_name["kernel"], entry, module)
+  assert flops == 137438953472
+  assert nbytes == 2 * 8192 * 1024 * 2 + 8192 * 1024 * 4
+  assert shape_costs(entry.by_name["other"], entry, module)[0] == 0
+
+
 # --- the modelled timeline ------------------------------------------------------
 
 def _one_window(dots: int, trip: int | None = None) -> str:

@@ -13,6 +13,9 @@ a `CostSource`: XLA's own cost analysis of the instruction on a live compile
 * gemm custom calls (`__cublas$gemm`, `__cublas$lt$matmul`, any target naming
   gemm or matmul): as a dot, with the contracted dimensions of its
   `gemm_backend_config` (else the last of the left operand);
+* a kernel's custom call that states its own flops (a Pallas TPU kernel's
+  `custom_call_config.cost_estimate`, from `pallas_call(cost_estimate=...)`):
+  those flops;
 * fusion: the dots and convolutions inside it;
 * a custom call that allocates (`AllocateBuffer`): nothing;
 * bytes: operands in plus result out, those in HBM (`hbm_bytes`: not the
@@ -329,7 +332,21 @@ def _flops(instr, operands) -> float:
     if not contracted and operands[0].dims:
       contracted = [len(operands[0].dims) - 1]
     return _dot_flops(out, operands[0], contracted)
+  if op == "custom-call":
+    stated = _stated_flops(instr)
+    if stated is not None:
+      return stated
   return 0.0
+
+
+def _stated_flops(instr) -> float | None:
+  """The flops a kernel's custom call states for itself, or None."""
+  config = attrs.backend_config(instr).get("custom_call_config")
+  estimate = config.get("cost_estimate") if isinstance(config, dict) else None
+  try:
+    return float(estimate["flops"]) if isinstance(estimate, dict) else None
+  except (KeyError, TypeError, ValueError):
+    return None
 
 
 def _dot_flops(out, lhs, contracted: list[int]) -> float:

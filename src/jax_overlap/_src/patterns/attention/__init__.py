@@ -2,6 +2,10 @@
 
 * `kernel.py`: the blockwise math (an online softmax in float32, its
   backward), for one block of queries against one block of keys.
+* `flash_tpu.py`: the same contract as a Pallas TPU flash kernel (forward
+  with the row log-sum-exp, backward with a given one).
+* `dispatch.py`: which of the two computes a block (`implementation=`: the
+  kernel on TPU, XLA's operations elsewhere).
 * `layout.py`: which global chunks of the sequence each device holds
   (contiguous or zigzag), and the reordering helpers.
 * `window.py`: sliding windows (`window=`): the argument, and what a pair of

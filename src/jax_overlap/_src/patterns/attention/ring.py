@@ -33,9 +33,11 @@ import numpy as np
 from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.attention import checks
+from jax_overlap._src.patterns.attention import dispatch
 from jax_overlap._src.patterns.attention import kernel
 from jax_overlap._src.patterns.attention.layout import (
     check_layout, chunks_per_device, device_chunks)
+from jax_overlap._src.patterns.attention.local import local_attention
 from jax_overlap._src.patterns.attention.plan import (AFTER, BEFORE, SELF,
                                                       ring_steps)
 from jax_overlap._src.patterns.attention.window import check_window
@@ -50,11 +52,12 @@ class Config(NamedTuple):
   causal: bool
   scale: float
   window: tuple[int, int] | None = None   # (left, right), window.py
+  implementation: str | None = None   # dispatch.py
 
 
 def ring_attention(q, k, v, *, axis, causal: bool = False,
                    layout: str = "contiguous", scale=None, segment_ids=None,
-                   window=None):
+                   window=None, implementation=None):
   """Attention over a sequence sharded over `axis`, keys and values passed
   round a ring of devices one block at a time.
 
@@ -87,6 +90,9 @@ def ring_attention(q, k, v, *, axis, causal: bool = False,
       `sliding_window=W` is `causal=True, window=(W - 1, 0)`. None: every
       key. With a window shorter than the sequence, "contiguous" takes the
       fewest rotations (about window / seq_local of them).
+    implementation: what computes each block: None (a Pallas flash kernel
+      on TPU, XLA's operations elsewhere), "xla" or "pallas" (the kernel;
+      on CPU in Pallas's interpreter, for tests).
 
   Returns:
     (batch, seq_local, heads, head_dim) in q's dtype: this device's queries'
@@ -127,7 +133,14 @@ def ring_attention(q, k, v, *, axis, causal: bool = False,
       causal or window[1] >= q.shape[1] * size - 1):
     window = None   # every key: the same program as without
   cfg = Config(axis, size, layout, causal,
-               checks.scale(name, scale, q.shape[-1]), window)
+               checks.scale(name, scale, q.shape[-1]), window,
+               dispatch.check(name, implementation))
+  if size == 1:
+    # Nothing to rotate: this device's attention over its own sequence, one
+    # kernel call a pass (no stacked k and v, no blocks to merge).
+    return local_attention(q, k, v, causal=causal, scale=cfg.scale,
+                           segment_ids=segment_ids, window=window,
+                           implementation=cfg.implementation)
   every = sorted(frozenset({axis}).union(*map(varying, (q, k, v))), key=str)
   q, k, v = (vary_over(a, every) for a in (q, k, v))
   if segment_ids is not None:
@@ -275,8 +288,8 @@ def _forward(cfg: Config, q, k, v, segment_ids):
                 offset=planned.offset):
         part = kernel.Stats(*(_take(x, qf, pair.q_count, chunk) for x in stats))
         seg = lambda a, f, n: None if a is None else _take(a, f, n, chunk)
-        part = kernel.block_forward(
-            part, _take(q, qf, pair.q_count, chunk),
+        part = dispatch.block_forward(
+            cfg.implementation, part, _take(q, qf, pair.q_count, chunk),
             _take(held[0], kf, pair.k_count, chunk),
             _take(held[1], kf, pair.k_count, chunk), scale=cfg.scale,
             q_seg=seg(q_seg, qf, pair.q_count),
@@ -303,7 +316,8 @@ def _self_parts(pairs, chunk: int):
   (dk, dv) hop home. Both lists hold work unless the block has one key.
   The own block's gradients are needed only at the end, so any split is
   exact; one pair is split by keys (a diagonal half then takes an explicit
-  causal mask)."""
+  causal mask), at a multiple of the TPU kernel's 128-key tile where the
+  halves are longer than one (flash_tpu.fits_tpu)."""
   whole = [(pair, 0, pair.k_count * chunk) for pair in pairs]
   if len(whole) > 1:
     half = (len(whole) + 1) // 2
@@ -311,7 +325,10 @@ def _self_parts(pairs, chunk: int):
   (pair, _, n), = whole
   if n < 2:
     return whole, []
-  return [(pair, 0, n // 2)], [(pair, n // 2, n)]
+  cut = n // 2
+  if cut > 128:
+    cut -= cut % 128
+  return [(pair, 0, cut)], [(pair, cut, n)]
 
 
 def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
@@ -334,16 +351,17 @@ def _backward(cfg: Config, q, k, v, segment_ids, out, lse, dout):
       seg = lambda a, f, n: None if a is None else _take(a, f, n, chunk)
       k_seg = seg(k_segs[step], kf, pair.k_count)
       masking = _mask_args(cfg, chunk, steps[step].offset, pair, qf, kf)
+      k_offset = lo   # a diagonal pair's keys lo..hi: causal from key lo on
       if pair.window:
         q_pos, k_pos = masking["positions"]
         masking["positions"] = (q_pos, k_pos[lo:hi])
-      elif pair.diagonal and (lo, hi) != (0, pair.k_count * chunk):
-        masking["positions"] = (jnp.arange(pair.q_count * chunk),
-                                lo + jnp.arange(hi - lo))
-      dq_part, dk_part, dv_part = kernel.block_backward(
-          rows(q), keys(held[0]), keys(held[1]), rows(dout), rows(lse),
-          rows(delta), scale=cfg.scale, q_seg=seg(q_seg, qf, pair.q_count),
-          k_seg=None if k_seg is None else k_seg[:, lo:hi], **masking)
+        k_offset = 0
+      dq_part, dk_part, dv_part = dispatch.block_backward(
+          cfg.implementation, rows(q), keys(held[0]), keys(held[1]),
+          rows(dout), rows(lse), rows(delta), scale=cfg.scale,
+          q_seg=seg(q_seg, qf, pair.q_count),
+          k_seg=None if k_seg is None else k_seg[:, lo:hi], k_offset=k_offset,
+          **masking)
       dq = _put(dq, rows(dq) + dq_part, qf, chunk)
       dkv_part = jnp.stack([dk_part, dv_part])
       start = kf * chunk + lo

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jax_overlap._src.collectives.api import all_to_all_start
 from jax_overlap._src.patterns.attention import checks
+from jax_overlap._src.patterns.attention import dispatch
 from jax_overlap._src.patterns.attention.layout import check_layout
 from jax_overlap._src.patterns.attention.local import local_attention
 from jax_overlap._src.patterns.attention.ring import ring_attention
@@ -35,7 +36,8 @@ from jax_overlap._src.patterns.leaf_scope import moving
 
 def ulysses_attention(q, k, v, *, axis, attention_fn=None,
                       causal: bool = False, segment_ids=None, window=None,
-                      ring_axis=None, layout: str = "contiguous"):
+                      ring_axis=None, layout: str = "contiguous",
+                      implementation=None):
   """Attention over a sequence sharded over `axis` by two all-to-alls.
 
   Inside `jax.shard_map` with the sequence sharded contiguously over `axis`
@@ -76,6 +78,9 @@ def ulysses_attention(q, k, v, *, axis, attention_fn=None,
       "zigzag"): lay the global sequence out with
       `to_layout(x, layout, ring_size)` before sharding it over
       `(ring_axis, axis)`.
+    implementation: what computes the default kernel's attention: None (a
+      Pallas flash kernel on TPU, XLA's operations elsewhere), "xla" or
+      "pallas" (the kernel; on CPU in Pallas's interpreter, for tests).
 
   Returns:
     (batch, seq_local, heads, head_dim) in q's dtype.
@@ -123,9 +128,11 @@ def ulysses_attention(q, k, v, *, axis, attention_fn=None,
         f"ulysses_attention(causal={causal!r}) must be True or False.")
   segment_ids = checks.segment_ids(name, segment_ids, q)
   window = check_window(name, window)
+  implementation = dispatch.check(name, implementation)
   if attention_fn is not None:
     _check_attention_fn(attention_fn, causal=causal, segment_ids=segment_ids,
-                        window=window, ring_axis=ring_axis)
+                        window=window, ring_axis=ring_axis,
+                        implementation=implementation)
   if ring_axis is not None:
     checks.axis_size(name, ring_axis, arg="ring_axis")
     if ring_axis == axis:
@@ -151,11 +158,12 @@ def ulysses_attention(q, k, v, *, axis, attention_fn=None,
     if ring_axis is None:
       attention_fn = lambda q, k, v: local_attention(
           q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
-          window=window)
+          window=window, implementation=implementation)
     else:
       attention_fn = lambda q, k, v: ring_attention(
           q, k, v, axis=ring_axis, causal=causal, layout=layout, scale=scale,
-          segment_ids=segment_ids, window=window)
+          segment_ids=segment_ids, window=window,
+          implementation=implementation)
 
   # Sequence-sharded (b, s / p, h, d) -> head-sharded (b, s, h / p, d).
   to_heads = lambda x: all_to_all_start(x, axis, 2, 1, tiled=True)
@@ -188,6 +196,10 @@ def _check_attention_fn(attention_fn, **given):
       raise ValueError(
           "ulysses_attention: ring_axis= runs ring_attention over that axis "
           "as the attention; leave attention_fn None to use it.")
+    if arg == "implementation":
+      raise ValueError(
+          "ulysses_attention: implementation= chooses the default kernel's "
+          "code; give it or attention_fn, not both.")
     if arg == "causal":
       raise ValueError(
           "ulysses_attention: causal=True applies to the default kernel only; "
