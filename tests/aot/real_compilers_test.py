@@ -572,6 +572,30 @@ def test_two_ppermute_futures_of_one_value_stay_two(name):
   assert len(set(pairs)) == 2, pairs
 
 
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def test_two_fsdp_scans_over_one_weight_compile(name):
+  # A pipeline's forward and backward ticks each run a stage's fsdp_scan
+  # over the same weights. Before each start carried its config as its
+  # backend config, the H100 compiler's CSE merged the two scans' identical
+  # all-gather starts into one and its verifier refused the start left with
+  # two dones ("Async start all-gather-start.1 is matched by multiple async
+  # done instructions"); the v5e compiled.
+  if OLDER:
+    pytest.skip("jax < 0.12 lowers the plain gathers, which CSE tells apart")
+  t = target(name)
+  layer = lambda x, w: jnp.tanh(x @ w)
+
+  def f(w, x, y):
+    both = (jax_overlap.fsdp_scan(layer, x, w, axis="x").sum()
+            + jax_overlap.fsdp_scan(layer, y, w, axis="x").sum())
+    return both[None]
+  loss = lambda *a: _smap(t, f, (P(None, "x"), P("x"), P("x")))(*a).sum()
+  text = compiled_text(jax.value_and_grad(loss), arg(t, (2, 256, 256), P(None, "x")),
+                       arg(t, (64, 256), P("x")), arg(t, (64, 256), P("x")))
+  starts = re.findall(r"all-gather-start", text)
+  assert starts, "no async all-gather"
+
+
 #: Futures along a minor axis: (collective, shard shape, keywords). Before
 #: collectives/major_dim.py, libtpu 0.0.52 (v5e) aborted the process on the
 #: first all-gather ("RET_CHECK IsMajorDimAllGather") and refused the

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 # `make demo` runs the demo on the newest supported jax, and so do these tests:
@@ -126,3 +128,25 @@ def test_pipeline_demo_bad_arguments():
   assert res.returncode == 2 and "--pipeline runs on 8 devices" in res.stderr
   res = _run(["--pipeline", "1f1b", "--microbatches", "2"])
   assert res.returncode == 2 and "--microbatches must be >= 4" in res.stderr
+
+
+@pytest.mark.slow
+def test_mesh_demo_trains_the_4d_example():
+  res = _run(["--mesh", "pp=2,fsdp=2,tp=2", "--steps", "3"])
+  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+  text = res.stdout
+  assert "8 virtual CPU devices as pp=2 x fsdp=2 x tp=2" in text
+  assert "all_gather_matmul / matmul_reduce_scatter rings" in text
+  assert "the same" in text               # the check against the single program
+  losses = [float(v) for v in re.findall(r"step +\d+  loss ([0-9.]+)", text)]
+  assert len(losses) == 3 and all(np.isfinite(losses)), text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "pp=2,fsdp"], "write axis=size pairs"),
+    (["--mesh", "pp=2,tp=2,cp=2"], "one of 'tp' / 'cp' / 'ep'"),
+    (["--mesh", "pp=2,fsdp=2", "--pipeline", "1f1b"], "--mesh and --pipeline"),
+])
+def test_mesh_demo_bad_arguments(args, message):
+  res = _run(args)
+  assert res.returncode == 2 and message in res.stderr, res.stderr

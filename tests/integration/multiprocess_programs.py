@@ -10,6 +10,9 @@ defect 1: that first compile failed on jax 0.10.2 and 0.11.0).
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_overlap as jo
 from value_and_grads import with_grads
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 PERM = [(k, (k + 1) % 8) for k in range(8)]
 
@@ -151,3 +156,29 @@ def run_all() -> dict[str, np.ndarray]:
     for part in (_futures, _fsdp, _collective_matmul):
       results.update(part(auto))
   return results
+
+
+def run_llama_4d() -> dict[str, np.ndarray]:
+  """examples/llama_4d.py's pp x fsdp x tp plan on the 8 devices in mesh
+  order, so that across two processes 'pp' splits them (stage 0 on process
+  0's devices): its loss and every gradient, by leaf path."""
+  sys.path.insert(0, str(EXAMPLES))
+  import llama_4d  # noqa: PLC0415
+  plan = llama_4d.PLANS["pp_fsdp_tp"]
+  mesh = plan.mesh
+  if jax.process_count() == 2:
+    owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    assert (owners == np.arange(2)[:, None, None]).all(), owners
+  cfg = llama_4d.config_for(plan)
+  params = jax.tree.map(np.asarray, llama_4d.init(cfg, jax.random.key(0)))
+  tokens, targets = (np.asarray(a) for a in llama_4d.batch(
+      cfg, jax.random.key(1), llama_4d.batch_size(plan), 16))
+  placed = jax.tree.map(lambda a, s: _put(mesh, np.asarray(a), s),
+                        plan.stage(params), plan.specs(params))
+  batch = [_put(mesh, a, plan.batch_spec()) for a in (tokens, targets)]
+  with jax.default_matmul_precision("highest"):
+    loss, grads = jax.jit(jax.value_and_grad(plan.loss))(placed, *batch)
+  out = {"llama_4d/loss": _to_host(loss)}
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    out["llama_4d/grad" + jax.tree_util.keystr(path)] = _to_host(g)
+  return out

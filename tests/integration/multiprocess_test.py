@@ -31,7 +31,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_two_processes(out: pathlib.Path) -> None:
+def _run_two_processes(out: pathlib.Path, programs: str = "run_all") -> None:
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   # Of XLA_FLAGS only the LLVM optimization level (tests/conftest.py's -O0:
@@ -41,7 +41,7 @@ def _run_two_processes(out: pathlib.Path) -> None:
   if kept:
     env["XLA_FLAGS"] = " ".join(kept)
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port),
-                             str(out)], stdout=subprocess.PIPE,
+                             str(out), programs], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
            for i in range(2)]
   logs = ["", ""]
@@ -90,3 +90,23 @@ def test_two_processes_equal_one(name, two_process_results, one_process_results)
   got, want = two_process_results[name], one_process_results[name]
   assert got.shape == want.shape, (got.shape, want.shape)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * (np.abs(want).max() or 1))
+
+
+@pytest.fixture(scope="module")
+def llama_4d_two_processes(tmp_path_factory):
+  out = tmp_path_factory.mktemp("multiprocess_llama") / "results.npz"
+  _run_two_processes(out, "run_llama_4d")
+  with np.load(out) as data:
+    return dict(data)
+
+
+# examples/llama_4d.py's pp x fsdp x tp plan with 'pp' across the two processes
+# (its stage sends cross them; fsdp's gathers and tp's rings stay in one).
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_llama_4d_across_two_processes_equals_one(llama_4d_two_processes):
+  want = multiprocess_programs.run_llama_4d()
+  assert sorted(llama_4d_two_processes) == sorted(want)
+  assert len(want) == 1 + 12                      # the loss and every leaf's gradient
+  for name, got in llama_4d_two_processes.items():
+    np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6, err_msg=name)

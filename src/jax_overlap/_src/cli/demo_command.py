@@ -2,6 +2,7 @@
 
   jax-overlap demo [--steps N] [--devices N] [--out DIR] [--hardware NAME|FILE]
   jax-overlap demo --pipeline SCHEDULE [--steps N] [--out DIR] ...
+  jax-overlap demo --mesh pp=2,fsdp=2,tp=2 [--tensor psum] [--steps N]
 
 Trains a decoder-only transformer (4 blocks, plain jax, optax AdamW) on a
 generated text corpus with `fsdp_scan` on N virtual CPU devices: each block's
@@ -18,6 +19,11 @@ With --pipeline (gpipe, 1f1b or zb-h1) it
 trains the same transformer over 4 pipeline stages x 2 FSDP devices with
 `pipeline_loss` instead, checks it against the model without a pipeline,
 and reports the pipelined step (a row per stage on the timeline: the bubble).
+
+With --mesh it trains examples/llama_4d.py's Llama-style decoder on a mesh of
+the named axes (pp: pipeline_loss; fsdp or dp; tp, cp or ep), on as many
+devices as their sizes multiply to, checks it once against the model as one
+program and prints the loss.
 """
 
 from __future__ import annotations
@@ -51,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       choices=("gpipe", "1f1b", "zb-h1"),
                       help="train over 4 pipeline stages x 2 FSDP devices with "
                       "this schedule (gpipe, 1f1b, zb-h1) instead of FSDP alone")
+  parser.add_argument("--mesh", metavar="AXIS=N,...", default=None,
+                      help="train examples/llama_4d.py's decoder on a mesh of these "
+                      "axes: pp, fsdp or dp, tp or cp or ep (e.g. pp=2,fsdp=2,tp=2)")
+  parser.add_argument("--tensor", choices=("collective", "psum"), default="collective",
+                      help="with --mesh and tp: tensor parallelism by collective matmul "
+                      "rings (default) or by a psum")
   parser.add_argument("--microbatches", type=int, default=8,
                       help="with --pipeline: microbatches a step (default 8, at "
                       "least 4)")
@@ -59,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
   if args.steps < 1:
     return _fail(f"--steps must be >= 1, got {args.steps}")
+  if args.mesh is not None:
+    return _run_mesh(args)
   if args.pipeline and args.devices != 8:
     return _fail(f"--pipeline runs on 8 devices (4 stages x 2 FSDP), got "
                  f"--devices {args.devices}")
@@ -86,6 +100,30 @@ def run(args: argparse.Namespace) -> int:
     from jax_overlap._src.demo import pipeline_training  # noqa: PLC0415
     return pipeline_training.run(opts, args.pipeline, args.microbatches)
   return demo(opts)
+
+
+def _run_mesh(args: argparse.Namespace) -> int:
+  from jax_overlap._src.demo import mesh_training  # noqa: PLC0415
+  if args.pipeline:
+    return _fail("--mesh and --pipeline are two demos: give one")
+  try:
+    example = mesh_training.load_example()
+    axes = example.parse_mesh(args.mesh)
+    example.Plan(axes, tensor=args.tensor)
+  except (FileNotFoundError, ValueError) as e:
+    return _fail(str(e))
+  n = mesh_training.devices_of(axes)
+  import jax  # noqa: PLC0415
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError as e:   # the backend already started with other devices
+    return _fail(f"cannot set {n} CPU devices here: {e}")
+  try:
+    import optax  # noqa: F401,PLC0415
+  except ImportError:
+    return _fail("the demo needs optax: pip install 'jax-overlap[demo]'")
+  from jax_overlap._src.demo.training import Options  # noqa: PLC0415
+  return mesh_training.run(Options(steps=args.steps, devices=n), axes, args.tensor)
 
 
 def demo(opts) -> int:

@@ -520,11 +520,14 @@ def _to_custom_call_pair(ctx, op, comm, *, split):
   # not its frontend attributes, where the permutation and channel are: it
   # merges two ppermute starts of one operand (a gather's parts,
   # permute_forms.py; a value sent both ways) into one, on TPU and H100
-  # alike, and every result then comes from one permutation. The config as
-  # the backend config too keeps them apart
-  # (tests/aot/real_compilers_test.py::
-  # test_two_ppermute_futures_of_one_value_stay_two).
-  apart = json.dumps(cfg) if name == "collective-permute" else ""
+  # alike, and every result then comes from one permutation; and on H100 two
+  # all-gather starts of one weight (fsdp_scan run twice over it, as a
+  # pipeline's forward and backward ticks do) into one start with two dones,
+  # which the verifier refuses. The config (its channel is the start's own)
+  # as the backend config too keeps them apart (tests/aot/
+  # real_compilers_test.py::test_two_ppermute_futures_of_one_value_stay_two,
+  # ::test_two_fsdp_scans_over_one_weight_compile).
+  apart = json.dumps(cfg)
   with ir.InsertionPoint(op):
     started = mlir.custom_call(
         f"{name}-start", result_types=[result.type],

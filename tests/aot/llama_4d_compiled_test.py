@@ -1,0 +1,186 @@
+"""examples/llama_4d.py's four plans on the real TPU v5e and H100 compilers,
+ahead of time: each plan's `value_and_grad` compiles, and each axis's
+collectives are async pairs with compute in flight.
+
+Each plan's mesh is the target's 8 devices (`v5e:2x4`, H100 `1x1x8`) in its
+axes' order, the model at width 256 (8 query heads, 4 key/value heads, hidden
+512, vocab 1024, 4 blocks, 2 a stage), sequences of 256, 2 microbatches. A
+collective's axes are read from its groups in the scheduled module
+(mesh_axes.py), its window from the schedule (schedule.py; a window "with
+compute" holds a fusion, a matmul, a custom call or a conditional), each
+loop body's windows counted once per iteration. What each axis carries:
+
+- stage sends: collective-permutes over 'pp' (pipeline_loss's ppermute_start);
+- FSDP gathers / reduce-scatters: all-gathers and reduce-scatters over
+  'fsdp' (fsdp_scan's futures; on TPU a reduce-scatter future is an
+  all-to-all, its form there);
+- TP ring permutes: collective-permutes over 'tp' (all_gather_matmul and
+  matmul_reduce_scatter); TP psums: all-reduces over 'tp' (tensor="psum");
+- CP rotations: collective-permutes over 'cp' (ring_attention);
+- EP exchanges: all-to-alls over 'ep' (expert_parallel).
+
+`python tests/aot/llama_4d_compiled_test.py` (in .venv-aot) prints the table
+of docs/pipeline.md's "Composing the axes" (async pairs / with compute in
+flight, and the synchronous ones). Every test here is slow: a plan's compile
+takes 1-4 minutes; each (plan, target) compiles once a process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import pathlib
+import sys
+
+import compilers  # noqa: F401 - first: sets JAX_PLATFORMS=cpu before jax starts
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+
+import mesh_axes
+import schedule
+from compilers import target
+from jax_overlap._src import _compat
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+import llama_4d  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _compat.ASYNC_CUSTOM_CALLS,
+                       reason="jax < 0.12 lowers a future's halves back to back on TPU/GPU"),
+]
+
+TARGETS = ("gpu_h100", "tpu_v5e")
+SEQ = 256
+CFG = dict(vocab=1024, d=256, heads=8, kv_heads=4, head_dim=32, hidden=512, layers=4)
+
+#: (column, HLO kinds, the axes it runs over)
+CATEGORIES = [
+    ("stage sends", ("collective-permute",), {"pp"}),
+    ("FSDP gathers", ("all-gather",), {"fsdp"}),
+    ("FSDP reduce-scatters", ("reduce-scatter", "all-to-all"), {"fsdp"}),
+    ("TP ring permutes", ("collective-permute",), {"tp"}),
+    ("TP psums", ("all-reduce",), {"tp"}),
+    ("CP rotations", ("collective-permute",), {"cp"}),
+    ("EP exchanges", ("all-to-all",), {"ep"}),
+]
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                "collective-permute")
+
+
+def expected(plan) -> set[str]:
+  """The columns `plan` must fill."""
+  out = {"stage sends"}
+  if "fsdp" in plan.axes:
+    out |= {"FSDP gathers", "FSDP reduce-scatters"}
+  if "tp" in plan.axes:
+    out.add("TP ring permutes" if plan.tensor == "collective" else "TP psums")
+  if "cp" in plan.axes:
+    out.add("CP rotations")
+  if "ep" in plan.axes:
+    out.add("EP exchanges")
+  return out
+
+
+def _category(kind: str, axes) -> str | None:
+  for column, kinds, want in CATEGORIES:
+    if kind in kinds and axes == want:
+      return column
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+  pairs: int = 0         # async start/done pairs, a loop body's once an iteration
+  computing: int = 0     # of them with compute between start and done
+  sync: int = 0          # the same collectives compiled synchronous
+
+
+def _plan_on(name: str, plan_name: str):
+  t = target(name)
+  return dataclasses.replace(llama_4d.PLANS[plan_name], devices=tuple(t.mesh.devices.flat))
+
+
+@functools.cache
+def compiled_text(name: str, plan_name: str) -> str:
+  plan = _plan_on(name, plan_name)
+  cfg = llama_4d.Config(experts=4 if "ep" in plan.axes else 0, **CFG)
+  shapes = jax.eval_shape(lambda: plan.stage(llama_4d.init(cfg, jax.random.key(0))))
+  mesh = plan.mesh
+  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=NamedSharding(mesh, s)), shapes, plan.specs(shapes))
+  tokens = jax.ShapeDtypeStruct((llama_4d.batch_size(plan), SEQ), jnp.int32,
+                                sharding=NamedSharding(mesh, plan.batch_spec()))
+  return compilers.compiled_text(jax.value_and_grad(plan.loss), params, tokens, tokens)
+
+
+@functools.cache
+def counts(name: str, plan_name: str) -> dict[str, Count]:
+  """Column -> Count for `plan_name` compiled for target `name`."""
+  plan = _plan_on(name, plan_name)
+  text = compiled_text(name, plan_name)
+  shape, names = tuple(plan.axes.values()), tuple(plan.axes)
+  found = collections.defaultdict(Count)
+  for w in schedule.runs(text, schedule.windows(text)):
+    column = _category(w.kind, mesh_axes.window_axes(text, w, shape, names))
+    if column:
+      computing = any(i.is_matmul or i.opcode in ("fusion", "custom-call", "convolution",
+                                                  "conditional") for i in w.between)
+      c = found[column]
+      found[column] = dataclasses.replace(c, pairs=c.pairs + 1,
+                                          computing=c.computing + computing)
+  for comp, instrs in schedule.scheduled(text).items():
+    for i in instrs:
+      kind = i.opcode if i.opcode in _COLLECTIVES else next(
+          (k for k in _COLLECTIVES if "is_sync=true" in i.line and f"{k}-start" in i.line), None)
+      if kind is None:
+        continue
+      axes = mesh_axes.named_axes(i.line)
+      if axes is None:
+        groups = mesh_axes.groups_of(i.line)
+        axes = mesh_axes.axes_of(groups, shape, names) if groups is not None else None
+      column = _category(kind, axes)
+      if column:
+        found[column] = dataclasses.replace(found[column], sync=found[column].sync + 1)
+  return dict(found)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+@pytest.mark.parametrize("plan_name", sorted(llama_4d.PLANS))
+def test_every_axis_is_in_flight_over_compute(name, plan_name):
+  plan = _plan_on(name, plan_name)
+  found = counts(name, plan_name)
+  print(name, plan_name, found)
+  for column in expected(plan):
+    c = found.get(column, Count())
+    assert c.pairs, f"{column}: no async pair ({found})"
+    assert c.computing == c.pairs, f"{column}: a window without compute ({found})"
+
+
+def table() -> str:
+  """The markdown table of every (plan, target)."""
+  columns = [c for c, _, _ in CATEGORIES]
+  rows = ["| plan | target | " + " | ".join(columns) + " |",
+          "|---|---|" + "---|" * len(columns)]
+  for plan_name in llama_4d.PLANS:
+    for name in TARGETS:
+      found = counts(name, plan_name)
+
+      def cell(column):
+        c = found.get(column)
+        if c is None:
+          return ""
+        return f"{c.pairs} / {c.computing}" + (f" ({c.sync} sync)" if c.sync else "")
+      label = {"gpu_h100": "H100 x8", "tpu_v5e": "TPU v5e 2x4"}[name]
+      rows.append(f"| `{plan_name}` | {label} | " + " | ".join(map(cell, columns)) + " |")
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  import importlib.metadata as md  # noqa: PLC0415
+  print(table())
+  print(f"\njax {jax.__version__}, libtpu {md.version('libtpu')}, "
+        f"jax-cuda12-plugin {md.version('jax-cuda12-plugin')}")
