@@ -68,7 +68,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-SPECS = ROOT / "tests" / "aot" / "specs"
+SPECS = ROOT / "src" / "jax_overlap" / "_src" / "testing" / "gpu_specs"
 
 #: target -> (platform, topology, GPU target config, hardware profile, label)
 TARGETS = {

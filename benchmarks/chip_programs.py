@@ -217,13 +217,15 @@ def attention_inputs(seq: int, layout: str = "bshd"):
   return [jax.random.normal(k, shape, ATTENTION["dtype"]) for k in keys]
 
 
-def ring_attention_fn(causal: bool = True):
-  """ring_attention on a 1-device mesh ('cp'), (q, k, v) -> out."""
+def ring_attention_fn(causal: bool = True, implementation=None):
+  """ring_attention on a 1-device mesh ('cp'), (q, k, v) -> out; by default
+  on TPU the library's Pallas flash kernel, with "xla" its XLA blocks."""
   from jax_overlap._src.patterns.attention.ring import ring_attention  # noqa: PLC0415
   mesh = mesh1("cp")
   spec = P(None, "cp")
   return jax.shard_map(
-      lambda q, k, v: ring_attention(q, k, v, axis="cp", causal=causal),
+      lambda q, k, v: ring_attention(q, k, v, axis="cp", causal=causal,
+                                     implementation=implementation),
       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 

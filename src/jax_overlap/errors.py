@@ -18,9 +18,11 @@ from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareP
 from jax_overlap._src.inspection.errors import HloParseError as HloParseError
 from jax_overlap._src.inspection.measured.xplane import ProfileReadError as ProfileReadError
 from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
+from jax_overlap._src.testing.targets import CompilerNotFoundError as CompilerNotFoundError
 
 __all__ = [
     "CollectiveNotAsyncWarning",
+    "CompilerNotFoundError",
     "FutureNotFinishedError",
     "FutureNotFinishedWarning",
     "HardwareProfileError",

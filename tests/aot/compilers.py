@@ -33,7 +33,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-SPECS = pathlib.Path(__file__).parent / "specs"
+#: XLA's GPU target configs, shipped with the package for jax_overlap.testing.
+SPECS = (pathlib.Path(__file__).parents[2] / "src" / "jax_overlap" / "_src"
+         / "testing" / "gpu_specs")
 
 #: name -> (platform, topology, GPU target-config file or None). GPU
 #: topologies are "partitions x hosts x GPUs per host": "1x2x8" is 16 GPUs on
@@ -94,7 +96,8 @@ def _topology(name: str):
 
 def spec_file(spec: str) -> pathlib.Path:
   """`spec`, or its copy for this jax where the plugin's proto is older
-  (`<stem>.jax<version>.txtpb`: fields it does not know removed, specs/README.md)."""
+  (`<stem>.jax<version>.txtpb`: fields it does not know removed,
+  gpu_specs/README.md)."""
   own = SPECS / spec.replace(".txtpb", f".jax{jax.__version__}.txtpb")
   return own if own.exists() else SPECS / spec
 

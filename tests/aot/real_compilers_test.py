@@ -297,10 +297,14 @@ def two_axes_gather_program(t, rows):
 
 def plain_gather_program(t, ordered):
   """A plain `jax.lax.all_gather` with a matmul written after it, in an
-  ordered block (`ordered`) or left to XLA."""
+  ordered block (`ordered`: True), in a free block inside one (`"free"`, the
+  README's quick start) or left to XLA (False)."""
   def body(x, w):
     return jax.lax.all_gather(x, "x", tiled=True), jnp.tanh(w @ w)
-  if ordered:
+  if ordered == "free":
+    free = program_order(enforce=False)(body)
+    body = program_order(enforce=True)(lambda x, w: free(jnp.tanh(x), w))
+  elif ordered:
     body = program_order(enforce=True)(body)
 
   def f(x, w):
@@ -487,6 +491,17 @@ def test_a_plain_gather_in_an_ordered_block_is_said(name):
   assert len(said) == 1, warned
   assert "jax.lax.all_gather" in said[0], said
   assert "jax_overlap.all_gather_start" in said[0], said
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+def test_a_gather_in_a_free_block_is_left_to_xla(name):
+  # The README's quick start: a plain gather in a free block, beside a
+  # matmul, inside an ordered block. XLA may overlap the two, so nothing is
+  # said (ordering/compile_options.py, `_has_company`).
+  text, warned = _compile(name, "plain_gather", "free")
+  assert not [m for m in warned if "inside an ordered block" in m], warned
+  gathers = _async(text, "all-gather")
+  assert gathers and gathers[0].matmuls >= 1, schedule.windows(text)
 
 
 #: (jax, target, future) -> why its pair has nothing in its window there

@@ -22,7 +22,7 @@ COLLECTIVE_FIELDS = [
     "queued_behind", "async",
     "made_blocking", "bytes", "bytes_in_flight", "group_size", "overlapped",
     "spans_iteration",
-    "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags"]
+    "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags", "cost_source"]
 
 
 def run(capsys, *argv):

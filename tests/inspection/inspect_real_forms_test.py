@@ -53,6 +53,11 @@ _BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                "collective-permute", "collective-broadcast", "ragged-all-to-all")
 _COMPUTE = ("fusion", "custom-call", "dot", "convolution")
+# Ops that are not work when they stand alone (names, bookkeeping, pairs).
+_NOT_WORK = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast",
+             "after-all", "add-dependency", "opt-barrier", "partition-id",
+             "replica-id", "send", "recv", "while", "call", "conditional",
+             "domain") + COLLECTIVES
 _COMP_HEAD = re.compile(r"^(ENTRY )?%(\S+) \(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT )?%(\S+) = (.*)$")
 _OPCODE = re.compile(r"(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(")
@@ -201,6 +206,8 @@ class Text:
     return None
 
   def is_compute(self, i) -> bool:
+    if i["op"] in _COMPUTE and 'custom_call_target="AllocateBuffer"' in i["line"]:
+      return False
     if i["op"] in _COMPUTE:
       if self.chain_role(i) in ("start", "done"):
         return False
@@ -213,7 +220,11 @@ class Text:
       callees = re.findall(r"(?:body|condition|to_apply|branch_computations)="
                            r"\{?%([\w.\-]+)", i["line"])
       return any(self.holds(c)[1] for c in callees)
-    return False
+    # Data movement standing alone: an array (not a scalar, not a tuple).
+    return (i["op"] not in _NOT_WORK
+            and not re.search(r"-(start|done|update)$", i["op"])
+            and not i["shape"].startswith("(")
+            and re.match(r"[a-z0-9]+\[\d", i["shape"]) is not None)
 
 
 def _bracketed(text, open_at):

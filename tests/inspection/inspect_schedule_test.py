@@ -134,8 +134,9 @@ def test_threads_calls_and_async_copies():
   got = [fields(c, *CORE, "thread") for c in r.collectives]
   assert got == [
       # call-start to a computation holding one all-reduce on "sparsecore"
+      # (slice.1 stands alone: data movement is work in a window too)
       ("all-reduce", "call-start", "call-done", "main.5_spmd", True,
-       65536 * 4, ["matmul_fusion", "relu_fusion"], False, None,
+       65536 * 4, ["matmul_fusion", "slice.1", "relu_fusion"], False, None,
        "sparsecore"),
       # a pair inside work with its own schedule on thread "parallel"
       ("all-gather", "all-gather-start.p", "all-gather-done.p",
@@ -146,7 +147,7 @@ def test_threads_calls_and_async_copies():
   assert [c.to_dict() for c in r.copies] == [{
       "start": "copy-start", "done": "copy-done", "computation": "main.5_spmd",
       "thread": "main", "bytes": 2048 * 1024 * 4,
-      "overlapped": ["matmul_fusion", "relu_fusion"], "spans_iteration": False,
+      "overlapped": ["matmul_fusion", "slice.1", "relu_fusion"], "spans_iteration": False,
       "trip_count": None, "loop": None, "runs": 1,
       "copy_s": r.copies[0].copy_s, "exposed_s": 0, "flags": ["thread main"]}]
   assert any("threads main, parallel, sparsecore" in n for n in r.notes)

@@ -23,3 +23,9 @@ def test_no_flag_is_read_from_jax_source():
                                          ("ASYNC_CUSTOM_CALLS", (0, 12, 0))])
 def test_version_flags(flag, since):
   assert getattr(_compat, flag) == (_VERSION >= since)
+
+
+def test_every_supported_jax_has_the_pallas_tpu_api_of_the_flash_kernel():
+  # patterns/attention/flash_tpu.py; where a jax lacks it, attention runs on
+  # XLA's operations with one warning (flash_tpu_test).
+  assert _compat.pallas_tpu_missing() is None

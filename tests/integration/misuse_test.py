@@ -585,6 +585,20 @@ MISUSES = [
     ("ulysses-attention-fn", "attention_fn=42 (not a function)",
      lambda: _attention(jo.ulysses_attention, attention_fn=42), TypeError,
      r"ulysses_attention\(attention_fn=42\) must be callable"),
+    ("attention-implementation", "implementation='triton' (ulysses_attention likewise)",
+     lambda: _attention(jo.ring_attention, implementation="triton"), ValueError,
+     r"ring_attention\(implementation='triton'\): give None \(the Pallas TPU "
+     r"flash kernel on TPU, XLA elsewhere\), 'xla' or 'pallas'"),
+    ("attention-pallas-interpreter", "implementation='pallas' on CPU in a shard_map that checks varying axes",
+     lambda: _attention(jo.ring_attention, implementation="pallas"), ValueError,
+     r"implementation='pallas' on cpu runs the TPU kernel in Pallas's "
+     r"interpreter, which fails inside a jax\.shard_map that checks varying "
+     r"axes; give jax\.shard_map\(\.\.\., check_vma=False\)"),
+    ("ulysses-implementation-fn", "implementation= with an attention_fn",
+     lambda: _attention(jo.ulysses_attention, attention_fn=lambda q, k, v: q,
+                        implementation="xla"), ValueError,
+     r"ulysses_attention: implementation= chooses the default kernel's code; "
+     r"give it or attention_fn, not both"),
     # --- overlap_report (inspect) ------------------------------------------------------
     ("inspect-not-callable", "overlap_report(3)",
      lambda: jo.overlap_report(3), TypeError,

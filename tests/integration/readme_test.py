@@ -188,6 +188,36 @@ def test_the_docs_have_python_blocks():
       "fsdp-quickstart.md", "collective-matmul.md", "moe.md"}
 
 
+#: What a block that uses several devices writes to have them on any machine.
+DEVICE_SETUP = 'jax.config.update("jax_num_cpu_devices", 8)'
+_USES_DEVICES = re.compile(r"make_mesh\(|jax\.devices\(\)|\bMesh\(")
+
+
+def blocks_without_device_setup(blocks: list[Block]) -> list[str]:
+  """Where a block builds a mesh or lists the devices without setting up 8
+  CPU devices itself or in a block it continues (the test runner gives its
+  process 8, a reader's machine may have one)."""
+  missing, set_up = [], False
+  for b in blocks:
+    set_up = (set_up and b.continues) or DEVICE_SETUP in b.code
+    if _USES_DEVICES.search(b.code) and not set_up:
+      missing.append(b.where)
+  return missing
+
+
+def test_blocks_that_use_devices_set_them_up():
+  # A reader copies a block into a fresh Python on a laptop: it must run
+  # there as here (issue 43: pipeline.md's and attention.md's did not).
+  missing = [w for blocks in _BLOCKS.values()
+             for w in blocks_without_device_setup(blocks)]
+  assert not missing, (f"these blocks use devices without {DEVICE_SETUP} "
+                       f"(after their imports): {missing}")
+  probe = [Block("a.md", 1, "mesh = jax.make_mesh((2,), ('x',))\n"),
+           Block("a.md", 5, f"{DEVICE_SETUP}\nmesh = jax.make_mesh((2,), ('x',))\n"),
+           Block("a.md", 9, "m = jax.make_mesh((2,), ('x',))\n", continues=True)]
+  assert blocks_without_device_setup(probe) == ["a.md:1"]
+
+
 @pytest.mark.subprocess
 def test_blocks_run_in_a_temporary_directory_not_the_repository():
   name = "written-by-a-doc-block.txt"

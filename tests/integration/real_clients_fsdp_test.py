@@ -301,3 +301,51 @@ def test_equinox_blocks_partitioned(mesh):
   got = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
       True, params, x)
   _close(got, jax.value_and_grad(loss, argnums=1)(False, params, x))
+
+
+def test_equinox_dropout_keys_sharded_like_the_batch_trained_with_optax(mesh):
+  """Issue 45: equinox's BERT blocks with dropout on, one key a layer and a
+  row sharded like the batch (`xs`), under `value_and_grad` with an optax
+  step: lax.scan refused the backward loop's carry (a key's float0
+  cotangent typed varying over "d" against zeros that were not). The loss
+  and the updated weights equal the plain scan's."""
+  import optax  # noqa: PLC0415
+
+  class Block(eqx.Module):
+    lin: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    drop: eqx.nn.Dropout
+
+    def __call__(self, x, key):
+      return self.norm(x + self.drop(jax.nn.gelu(self.lin(x)), key=key))
+
+  stacked = eqx.filter_vmap(lambda k: Block(
+      eqx.nn.Linear(16, 16, key=k), eqx.nn.LayerNorm(16),
+      eqx.nn.Dropout(0.25)))(jax.random.split(jax.random.key(0), L))
+  params, static = eqx.partition(stacked, eqx.is_array)
+  specs = jax.tree.map(lambda a: P(None, "d"), params)
+  layer = lambda x, p, keys: jax.vmap(eqx.combine(p, static))(x, keys)
+  x = jax.random.normal(jax.random.key(3), (8, 16))
+  keys = jax.random.split(jax.random.key(4), (L, 8))   # (layers, rows)
+  head = jax.random.normal(jax.random.key(5), (16,))
+  opt = optax.adamw(1e-2)
+
+  def step(fsdp, params, state, x, keys):
+    @jax.shard_map(mesh=mesh, in_specs=(specs, P(), P("d"), P(None, "d")),
+                   out_specs=P())
+    def loss(params, head, x, keys):
+      after = lambda y: jnp.mean(jnp.tanh(y @ head) ** 2)
+      if fsdp:
+        out = fsdp_scan(layer, x, params, axis="d", xs=keys, after=after)
+      else:
+        y, _ = jax.lax.scan(lambda x, pk: (layer(x, *pk), None), x,
+                            (_gathered(params), keys))
+        out = after(y)
+      return jax.lax.pmean(out, "d")
+    value, grads = jax.value_and_grad(loss)(params, head, x, keys)
+    updates, state = opt.update(grads, state, params)
+    return value, optax.apply_updates(params, updates)
+
+  run = jax.jit(step, static_argnums=0)
+  state = opt.init(params)
+  _close(run(True, params, state, x, keys), run(False, params, state, x, keys))

@@ -179,6 +179,39 @@ def test_fenced_synchronous_collective_is_found():
   assert compile_options.fenced_sync_collectives(module) == ["all_gather"]
 
 
+def test_a_collective_in_a_free_block_beside_work_is_left_to_xla():
+  # README's quick start: a gather inside a free block with a matmul beside
+  # it. The block's fences surround both, and XLA may overlap the two: not
+  # "kept synchronous by the fences" (tests/aot/real_compilers_test.py::
+  # test_a_gather_in_a_free_block_is_left_to_xla compiles it for v5e).
+  def body(x):
+    @program_order(enforce=True)
+    def f(x):
+      h = jnp.tanh(x)
+
+      @program_order(enforce=False)
+      def free(h, x):
+        return jax.lax.all_gather(x, "i", tiled=True), jnp.tanh(h * h)
+      g, h = free(h, x)
+      return g[:8] + h.sum()
+    return f(x)
+  for platform in ("tpu", "cuda"):
+    module = _lowered(body, platform, jnp.ones(8)).compiler_ir()
+    assert compile_options.fenced_sync_collectives(module) == []
+
+  # Alone in its free block, nothing is beside it: said.
+  def alone(x):
+    @program_order(enforce=True)
+    def f(x):
+      h = jnp.tanh(x)
+      g = program_order(enforce=False)(
+          lambda x: jax.lax.all_gather(x, "i", tiled=True))(x)
+      return g[:8] + h.sum()
+    return f(x)
+  module = _lowered(alone, "tpu", jnp.ones(8)).compiler_ir()
+  assert compile_options.fenced_sync_collectives(module) == ["all_gather"]
+
+
 _REFUSAL = RuntimeError(
     "INTERNAL: FindAndExtractBestNodeAvailable failed to find a node to "
     "schedule, skipped nodes: all-to-all-done.2: Skipped due to "

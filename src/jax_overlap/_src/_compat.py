@@ -706,3 +706,49 @@ def all_gather_invariant(x, axis_name):
   fn = getattr(_parallel, "all_gather_invariant", None) or \
       getattr(_parallel, "_all_gather_invariant")
   return fn(x, axis_name, axis=0, tiled=True)
+
+
+# --- Pallas TPU kernels --------------------------------------------------------------
+
+@functools.cache
+def pallas_tpu_missing() -> str | None:
+  """What this jax lacks of the Pallas TPU API the flash kernel uses
+  (patterns/attention/flash_tpu.py), or None: squeezed block dimensions
+  (`pl.Squeezed`), VMEM scratch, `pltpu.CompilerParams` and cost estimates.
+  Imported here, at first use: Pallas is costly to import."""
+  try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+  except ImportError as error:  # pragma: no cover - every supported jax has it
+    return f"jax.experimental.pallas.tpu ({error})"
+  for owner, name in ((pl, "Squeezed"), (pl, "CostEstimate"), (pl, "BlockSpec"),
+                      (pltpu, "VMEM"), (pltpu, "CompilerParams")):
+    if not hasattr(owner, name):
+      return f"{owner.__name__}.{name}"
+  return None
+
+
+def squeezed():
+  """A block dimension of size 1 that the kernel does not see."""
+  from jax.experimental import pallas as pl
+  return pl.Squeezed()
+
+
+#: How `pallas_call` runs a TPU kernel on CPU: Pallas's HLO interpreter.
+#: Not `pltpu.InterpretParams()` (the TPU interpreter): it synchronises every
+#: device of the mesh at each kernel, and deadlocks where only some devices
+#: run it (a `lax.cond` of the ring; measured on 0.12.0.1). The HLO
+#: interpreter evaluates the kernel's untyped body on values typed as varying,
+#: and fails inside a `shard_map` that checks varying axes (0.10.2 - 0.12.0.1),
+#: so it runs under `check_vma=False` only (patterns/attention/dispatch.py).
+PALLAS_INTERPRET = True
+
+
+def struct_like(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """An output type for `pallas_call`, varying over the mesh axes `like`
+  varies over: inside `shard_map` with its varying axes checked, Pallas asks
+  for them (`manual_axis_type`); outside, there are none."""
+  if varying_axes(like) is None:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.typeof(like).mat)

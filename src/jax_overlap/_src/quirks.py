@@ -127,6 +127,17 @@ TABLE = (
           "keeps the all-reduce and reduce-scatter synchronous",
           "tests/aot/real_compilers_test.py::"
           "test_future_is_an_async_pair_around_the_matmul"),
+    Quirk("gpu-flat-permute", "gpu", None, "cuda", ("0.12.0.1", "0.12.0.1"),
+          "ppermute_start of a rank >= 2 operand sends it as one flat "
+          "row-major buffer, reshaped after the done: where layout "
+          "assignment gives the operand a non-default layout (a pipeline's "
+          "(batch, seq, width) activation beside ring attention in the "
+          "stage) layout normalization puts bitcasts into the async "
+          "computation and the compile fails ('Asynchronous computation ... "
+          "expected to contain only the root and parameter instructions'); "
+          "a rank-1 buffer has one layout",
+          "tests/aot/pipeline_compiled_test.py::"
+          "test_lockstep_stages_keep_their_sends_in_flight"),
     Quirk("gpu-overlap-limit", "gpu", None, "cuda", ("0.10.2", "0.12.0.1"),
           "modules with several futures in flight get "
           "xla_gpu_experimental_parallel_collective_overlap_limit raised to "

@@ -89,3 +89,55 @@ def test_scale_not_a_number(scale):
   # A string that float() refuses raised float()'s own ValueError before.
   with pytest.raises(TypeError, match=r"ring_attention\(scale=.*must be a Python number"):
     _call(ring_attention, *_arrays(), scale=scale)
+
+
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention])
+@pytest.mark.parametrize("window, error, match", [
+    ("4", TypeError, r"window='4'\) must be an int or a \(left, right\) pair"),
+    ((1, 2, 3), TypeError, r"must be an int or a \(left, right\) pair"),
+    (2.0, TypeError, r"must be an int or a \(left, right\) pair"),
+    (True, TypeError, r"must be an int or a \(left, right\) pair"),
+    (-1, ValueError, r"window=-1\): left and right must be >= 0"),
+    ((3, -1), ValueError, r"left and right must be >= 0.*window=\(W - 1, 0\)")])
+def test_window_not_a_window(fn, window, error, match):
+  if match.startswith("window"):   # the message starts with the call
+    match = fn.__name__ + r"\(" + match
+  with pytest.raises(error, match=match):
+    _call(fn, *_arrays(), window=window)
+
+
+@pytest.mark.parametrize("kw", [dict(segment_ids=jnp.zeros((1, 4), jnp.int32)),
+                                dict(window=3)])
+def test_ulysses_mask_with_an_attention_fn(kw):
+  name = next(iter(kw))
+  with pytest.raises(ValueError, match=f"{name}= applies to the default kernel only"):
+    _call(ulysses_attention, *_arrays(), attention_fn=lambda q, k, v: q, **kw)
+
+
+def _call2(q, k, v, **kw):
+  mesh2 = jax.make_mesh((2, 2), ("ring", "cp"), devices=jax.devices()[:4],
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  f = jax.shard_map(
+      lambda q, k, v: ulysses_attention(q, k, v, axis="cp", **kw),
+      mesh=mesh2, in_specs=P(None, ("ring", "cp")),
+      out_specs=P(None, ("ring", "cp")))
+  return jax.eval_shape(f, q, k, v)
+
+
+def test_ulysses_ring_axis_misuse():
+  q, k, v = _arrays()
+  with pytest.raises(ValueError, match=r"ring_axis='cp'\) must be another mesh axis"):
+    _call2(q, k, v, ring_axis="cp")
+  with pytest.raises(NameError, match=r"ulysses_attention\(ring_axis='sp'\): no mesh axis"):
+    _call2(q, k, v, ring_axis="sp")
+  with pytest.raises(TypeError, match=r"ulysses_attention\(ring_axis=\('ring', 'x'\)\): give one"):
+    _call2(q, k, v, ring_axis=("ring", "x"))
+  with pytest.raises(ValueError, match="ring_axis= runs ring_attention"):
+    _call2(q, k, v, ring_axis="ring", attention_fn=lambda q, k, v: q)
+  with pytest.raises(ValueError, match=r"layout='zigzag'\): the layout is the ring's; give ring_axis"):
+    _call2(q, k, v, layout="zigzag")
+  with pytest.raises(ValueError, match="unknown layout"):
+    _call2(q, k, v, ring_axis="ring", layout="striped")
+  # heads not a multiple of the Ulysses axis: the message names ring_axis.
+  with pytest.raises(ValueError, match=r"heads \(6.*\(ring_axis=\)"):
+    _call(ulysses_attention, *_arrays(heads=6, kv_heads=2), p=4)

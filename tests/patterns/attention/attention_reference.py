@@ -9,9 +9,12 @@ from jax.sharding import PartitionSpec as P
 from jax_overlap._src.patterns.attention.layout import from_layout, to_layout
 
 
-def dense_attention(q, k, v, *, causal=False, segment_ids=None, scale=None):
+def dense_attention(q, k, v, *, causal=False, segment_ids=None, scale=None,
+                    window=None):
   """softmax(q k^T * scale + mask) v on global (b, s, h, d) arrays, float32,
-  kv heads repeated for GQA."""
+  kv heads repeated for GQA. `window`: an int w or (left, right), the query
+  at i seeing keys i - left .. i + right (jax.nn.dot_product_attention's
+  local_window_size; test_the_reference_window_is_jaxs pins it)."""
   q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   group = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, group, 2), jnp.repeat(v, group, 2)
@@ -21,6 +24,10 @@ def dense_attention(q, k, v, *, causal=False, segment_ids=None, scale=None):
   keep = jnp.ones((1, 1, n, n), bool)
   if causal:
     keep = keep & jnp.tril(jnp.ones((n, n), bool))
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    keep = keep & ((j >= i - left) & (j <= i + right))
   if segment_ids is not None:
     keep = keep & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
   s = jnp.where(keep, s, -jnp.inf)

@@ -67,3 +67,28 @@ def test_three_all_to_all_futures_kv_started_first():
   finished = lambda ln: ln.rsplit("]", 1)[1].split()
   assert finished(lines[2]) == started(lines[1])   # q first
   assert finished(lines[3]) == started(lines[0])   # then (k, v)
+
+
+def _ulysses_masked(p, causal, window):
+  return sharded(p, lambda q, k, v, seg: ulysses_attention(
+      q, k, v, axis="cp", causal=causal, segment_ids=seg, window=window))
+
+
+# Segment ids (3 packed sequences a row) and sliding windows (window.py):
+# 0, inside a device's stretch, across stretches, one-sided, and longer
+# than the sequence.
+@pytest.mark.parametrize("p,causal,segments,window", [
+    (4, True, True, None), (2, False, True, None), (4, True, True, 3),
+    (4, False, False, (2, 9)), (8, True, False, 0), (2, True, True, 100)])
+def test_segment_ids_and_window_equal_dense_attention(p, causal, segments,
+                                                      window):
+  q, k, v, seg = inputs(p, seq_local=8, segments=segments)
+  out, grads = value_and_grads(_ulysses_masked(p, causal, window), q, k, v,
+                               seg)
+  ref, ref_grads = value_and_grads(
+      lambda q, k, v, seg: dense_attention(q, k, v, causal=causal,
+                                           segment_ids=seg, window=window),
+      q, k, v, seg)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  for name, g, r in zip("qkv", grads, ref_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=name)

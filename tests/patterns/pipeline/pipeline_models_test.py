@@ -119,10 +119,14 @@ def test_a_scanned_stage(embed):
          jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(ws, xs, ts))
 
 
-def test_an_embedding_and_an_lm_head_with_parameters():
+@pytest.mark.parametrize("lookup", ["index", "take"])
+def test_an_embedding_and_an_lm_head_with_parameters(lookup):
   """Token ids in, an embedding table in `before`, an LM head (vocab >
-  width) closed over by loss_fn: every gradient flows, aux values too."""
+  width) closed over by loss_fn: every gradient flows, aux values too.
+  `jnp.take` is a jax.jit call, whose pvary of the table is inside it."""
   vocab = 7
+  embed = (lambda table, tok: table[tok]) if lookup == "index" else (
+      lambda table, tok: jnp.take(table, tok, axis=0))
 
   def stage(w, x):
     return x + jnp.tanh(x @ w)
@@ -135,7 +139,7 @@ def test_an_embedding_and_an_lm_head_with_parameters():
   def piped(w, table, head, tokens, labels):
     def body(w, table, head, tokens, labels):
       return pipeline_loss(stage, lambda y, t: head_loss(head, y, t), w, tokens,
-                           labels, axis="pp", before=lambda tok: table[tok],
+                           labels, axis="pp", before=lambda tok: embed(table, tok),
                            has_aux=True)
     return jax.shard_map(body, mesh=_mesh(), in_specs=(P("pp"), P(), P(), P(), P()),
                          out_specs=(P(), P()))(pipeline_stage_layout(w, P_), table,
@@ -143,7 +147,7 @@ def test_an_embedding_and_an_lm_head_with_parameters():
 
   def ref(w, table, head, tokens, labels):
     def one(tok, lab):
-      y = table[tok]
+      y = embed(table, tok)
       for g in range(P_):
         y = stage(w[g], y)
       return head_loss(head, y, lab)

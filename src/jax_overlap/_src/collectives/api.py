@@ -62,7 +62,7 @@ def _along_major(name, x, params):
   """The plain future of collective `name` on `x` along its axis 0, by the
   public start itself (major_dim.py: `params` already say axis 0)."""
   start = {"all_gather": all_gather_start, "psum_scatter": psum_scatter_start,
-           "all_to_all": all_to_all_start}[name]
+           "all_to_all": all_to_all_start, "ppermute": ppermute_start}[name]
   keywords = {k: v for k, v in params.items()
               if k != "axis_name" and v is not None}
   return start(x, params["axis_name"], **keywords)
@@ -266,7 +266,8 @@ def ppermute_start(x, axis_name, perm) -> Future:
   check_axis_name("ppermute", axis_name)
   perm = check_perm(perm, axis_name)
   fn = lambda v: jax.lax.ppermute(v, axis_name, perm)
-  return _start_future("ppermute", fn, x)
+  # (the params: major_dim.py sends a rank >= 2 operand flat on GPU)
+  return _start_future("ppermute", fn, x, dict(axis_name=axis_name, perm=perm))
 
 
 

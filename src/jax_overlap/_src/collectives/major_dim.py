@@ -32,6 +32,11 @@ axis 0 is minor again and the compiler aborts (`RET_CHECK
 IsMajorDimAllGather`); a rank-1 buffer has one layout. Only there, so CPU and
 GPU programs (and values) stay as they were:
 tests/aot/major_dim_compiled_test.py.
+
+On GPU (quirk "gpu-flat-permute") a permute of a rank >= 2 operand is sent
+flat for the same reason: given a non-default layout, the H100 compiler's
+layout normalization refuses the async computation
+(tests/aot/pipeline_compiled_test.py's lockstep ring case).
 """
 
 from __future__ import annotations
@@ -132,5 +137,15 @@ def _all_to_all(params, x):
   return jnp.moveaxis(x, s, 0), dict(split_axis=0, concat_axis=0), put_back
 
 
+def _ppermute(params, x):
+  """On GPU (quirk "gpu-flat-permute") a rank >= 2 operand travels as one
+  flat buffer; elsewhere as it is."""
+  platform, kind = _compat.trace_device()
+  if x.ndim < 2 or not quirks.applies("gpu-flat-permute", platform, kind):
+    return None
+  shape = x.shape
+  return x.reshape(-1), {}, lambda y: y.reshape(shape)
+
+
 _PLANS = {"all_gather": _all_gather, "psum_scatter": _psum_scatter,
-          "all_to_all": _all_to_all}
+          "all_to_all": _all_to_all, "ppermute": _ppermute}

@@ -134,6 +134,67 @@ def _feeds_a_barrier(op) -> bool:
     return True
 
 
+#: Ops that are no work to overlap a collective with.
+_NO_WORK_OPS = frozenset({
+    "stablehlo.constant", "stablehlo.optimization_barrier",
+    "stablehlo.create_token", "stablehlo.after_all", "stablehlo.partition_id",
+    "stablehlo.replica_id", "func.return", "stablehlo.return", "sdy.return"})
+
+
+def _op(x):
+  return x.operation if hasattr(x, "operation") else x
+
+
+def _producer(value):
+  """The op that made `value`, or None for a block argument."""
+  owner = value.owner
+  return None if isinstance(owner, ir.Block) else _op(owner)
+
+
+def _has_company(collective) -> bool:
+  """Whether work that neither feeds `collective` nor uses its result
+  reaches a barrier it feeds without crossing a barrier: work written beside
+  it between the same fences (a free block's compute), which XLA may overlap
+  it with. In an ordered block each equation has fences of its own, so a
+  collective there has none. Where the bindings cannot follow uses, None
+  found (said, as before)."""
+  collective = _op(collective)
+  try:
+    fences = [_op(use.owner) for r in collective.results for use in r.uses
+              if _is_barrier(use.owner)]
+    after = _reach(collective, forward=True)
+    before = _reach(collective, forward=False)
+    for fence in fences:
+      for op in _reach(fence, forward=False):
+        if op == collective or op in before or op in after:
+          continue
+        if op.name not in _NO_WORK_OPS and len(op.operands) > 0:
+          return True
+  except AttributeError:  # bindings without Value.uses
+    return False
+  return False
+
+
+def _reach(op, forward: bool) -> set:
+  """The ops reached from `op` through uses (`forward`) or operands, stopping
+  at barriers and block arguments."""
+  seen: set = set()
+  todo = [op]
+  while todo:
+    cur = todo.pop()
+    if forward:
+      nexts = [_op(use.owner) for r in cur.results for use in r.uses]
+    else:
+      nexts = [p for p in map(_producer, cur.operands) if p is not None]
+    for n in nexts:
+      if n in seen or n == op:
+        continue
+      seen.add(n)
+      if not _is_barrier(n):
+        todo.append(n)
+  return {n for n in seen if not _is_barrier(n)}
+
+
 def _reads_a_barrier(op) -> bool:
   """Whether the first of `op`'s operands that an operation made (not a block
   argument) is an `optimization_barrier`'s result."""
@@ -150,7 +211,11 @@ def fenced_sync_collectives(computation) -> list[str]:
   one that ends a block), or, where it starts the block and reads the block's
   inputs, bound in `not_async.FENCED_SCOPE`. One that only reads a block's
   result, after it, is left to XLA and not said; nor is a future that had to
-  be lowered synchronously (it was said already)."""
+  be lowered synchronously (it was said already); nor one with work beside it
+  between its fences (`_has_company`: a collective in a free block,
+  `program_order(enforce=False)`, written beside compute that XLA may
+  overlap it with; tests/aot/real_compilers_test.py::
+  test_a_gather_in_a_free_block_is_left_to_xla)."""
   found: list[str] = []
 
   def visit(op):
@@ -158,7 +223,7 @@ def fenced_sync_collectives(computation) -> list[str]:
         and not_async.SYNC_FUTURE_ATTR not in op.attributes
         and _compat.IN_FLIGHT_ATTR not in op.attributes
         and (not_async.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
-        and _feeds_a_barrier(op)):
+        and _feeds_a_barrier(op) and not _has_company(op)):
       found.append(_SYNC_COLLECTIVES[op.name])
     return ir.WalkResult.ADVANCE
   try:

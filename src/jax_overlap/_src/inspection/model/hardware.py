@@ -1,7 +1,8 @@
 """Hardware profiles: the figures the cost model turns flops and bytes into time.
 
 Built-in profiles (`tpu-v5e`, `tpu-v5p`, `h100`, `a100`) come from public
-spec sheets (`profiles.toml` beside this file). A user's own profile is a
+spec sheets, and where a chip was measured, from what it achieved
+(`profiles.toml` beside this file says which). A user's own profile is a
 small TOML or JSON file with the same keys.
 """
 
@@ -16,6 +17,7 @@ import tomllib
 from typing import Any, Mapping
 
 from jax_overlap._src.inspection.errors import HardwareProfileError
+from jax_overlap._src.inspection.model.matmul_class import CLASSES
 
 DEFAULT_PROFILE = "h100"
 #: The profile a dump is modelled on when none is named, by the platform its
@@ -33,9 +35,21 @@ _NUMBERS = {
 _OPTIONAL_NUMBERS = {
     "copy_gbytes_per_s": "bandwidth of an async copy, GB/s (default: half "
                          "the HBM bandwidth, a read and a write)",
+    "achieved_hbm_gbytes_per_s":
+        "HBM bandwidth a memory-bound op achieves, GB/s (default: "
+        "hbm_gbytes_per_s)",
+}
+_TABLES = {
+    "matmul_tflops": "achieved dense matmul TFLOP/s by operand class (" +
+                     ", ".join(CLASSES) + "; a class not given runs at "
+                     "peak_tflops)",
 }
 _TEXTS = {"name": "the profile's name", "description": "a longer name",
-          "source": "where the figures come from"}
+          "source": "where the figures come from",
+          "achieved_source": "where the achieved figures come from"}
+#: Short names of the built-in profiles, each naming one profile.
+ALIASES = {"v5e": "tpu-v5e", "v5litepod": "tpu-v5e", "tpuv5lite": "tpu-v5e",
+           "v5p": "tpu-v5p", "h100sxm": "h100", "a100sxm": "a100"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +63,14 @@ class HardwareProfile:
     interconnect_gbytes_per_s: one direction of the chip's interconnect, GB/s.
     collective_latency_us: fixed cost added to every collective, us.
     copy_gbytes_per_s: async copy bandwidth, GB/s (None: half of HBM).
+    achieved_hbm_gbytes_per_s: HBM bandwidth a memory-bound op achieves,
+      GB/s (None: `hbm_gbytes_per_s`).
+    matmul_tflops: achieved dense matmul TFLOP/s by operand class
+      (`matmul_class.CLASSES`: 'bf16', 'f32', 'f32-high', 'f32-highest',
+      'f8', 'int8', 'f64'); a class not given runs at `peak_tflops`.
     description: a longer name.
     source: where the figures come from.
+    achieved_source: where the achieved figures come from.
 
   Example:
     >>> from jax_overlap import HardwareProfile
@@ -68,8 +88,12 @@ class HardwareProfile:
   interconnect_gbytes_per_s: float
   collective_latency_us: float
   copy_gbytes_per_s: float | None = None
+  achieved_hbm_gbytes_per_s: float | None = None
+  matmul_tflops: dict[str, float] = dataclasses.field(
+      default_factory=dict, hash=False)
   description: str = ""
   source: str = ""
+  achieved_source: str = ""
 
   @staticmethod
   def builtin_names() -> list[str]:
@@ -78,16 +102,20 @@ class HardwareProfile:
   @classmethod
   def named(cls, name: str) -> HardwareProfile:
     """A built-in profile; the name is matched ignoring case, spaces, '-'
-    and '_' ('TPU v5e' is 'tpu-v5e')."""
+    and '_' ('TPU v5e' is 'tpu-v5e'), and a short name that names one
+    profile is taken for it ('v5e', 'v5p'; `ALIASES`): the profile keeps its
+    own name."""
     profiles = _builtin()
     wanted = _normalized(name)
+    wanted = _normalized(ALIASES.get(wanted, wanted))
     for key, profile in profiles.items():
       if _normalized(key) == wanted or _normalized(profile.description) == wanted:
         return profile
     raise HardwareProfileError(
         f"unknown hardware {name!r}; built-in profiles are "
-        f"{', '.join(profiles)}, or pass the path of a .toml or .json profile "
-        "file")
+        f"{', '.join(profiles)} (also by their short names: "
+        f"{', '.join(sorted(ALIASES))}), or pass the path of a .toml or .json "
+        "profile file")
 
   @classmethod
   def from_file(cls, path: str | os.PathLike) -> HardwareProfile:
@@ -121,7 +149,7 @@ class HardwareProfile:
   def from_dict(cls, data: Mapping[str, Any],
                 where: str = "hardware profile") -> HardwareProfile:
     """A profile from a mapping; every problem named with the key at fault."""
-    known = set(_NUMBERS) | set(_OPTIONAL_NUMBERS) | set(_TEXTS)
+    known = set(_NUMBERS) | set(_OPTIONAL_NUMBERS) | set(_TABLES) | set(_TEXTS)
     unknown = sorted(set(data) - known)
     if unknown:
       raise HardwareProfileError(
@@ -146,6 +174,8 @@ class HardwareProfile:
             f"{where}: {key} must be {'> 0' if positive else '>= 0'} "
             f"({meaning}), got {value!r}")
       values[key] = float(value)
+    if "matmul_tflops" in data:
+      values["matmul_tflops"] = _rates(data["matmul_tflops"], where)
     for key in _TEXTS:
       if key in data:
         if not isinstance(data[key], str):
@@ -155,11 +185,48 @@ class HardwareProfile:
         values[key] = data[key]
     return cls(**values)
 
+  def matmul_rate(self, matmul_class: str) -> float:
+    """Achieved TFLOP/s of a matmul of `matmul_class`, else `peak_tflops`."""
+    return self.matmul_tflops.get(matmul_class, self.peak_tflops)
+
+  @property
+  def memory_gbytes_per_s(self) -> float:
+    """The HBM bandwidth memory-bound work is modelled at."""
+    return self.achieved_hbm_gbytes_per_s or self.hbm_gbytes_per_s
+
   def describe(self) -> str:
-    return (f"{self.description or self.name}: {self.peak_tflops:g} TFLOP/s, "
-            f"HBM {self.hbm_gbytes_per_s:g} GB/s, interconnect "
+    achieved = ""
+    if self.matmul_tflops:
+      achieved = " (matmuls: " + ", ".join(
+          f"{k} {v:g}" for k, v in self.matmul_tflops.items()) + ")"
+    hbm = f"HBM {self.hbm_gbytes_per_s:g} GB/s"
+    if self.achieved_hbm_gbytes_per_s:
+      hbm += f" (achieved {self.achieved_hbm_gbytes_per_s:g})"
+    return (f"{self.description or self.name}: {self.peak_tflops:g} TFLOP/s"
+            f"{achieved}, {hbm}, interconnect "
             f"{self.interconnect_gbytes_per_s:g} GB/s one way, "
             f"{self.collective_latency_us:g} us a collective")
+
+
+def _rates(table, where: str) -> dict[str, float]:
+  """A profile's `matmul_tflops` table, each class and rate checked."""
+  meaning = _TABLES["matmul_tflops"]
+  if not isinstance(table, Mapping):
+    raise HardwareProfileError(
+        f"{where}: matmul_tflops must be a table ({meaning}), got {table!r}")
+  rates = {}
+  for key, value in table.items():
+    if key not in CLASSES:
+      raise HardwareProfileError(
+          f"{where}: matmul_tflops has unknown class {key!r}; the classes are "
+          f"{', '.join(CLASSES)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+        or not value > 0:
+      raise HardwareProfileError(
+          f"{where}: matmul_tflops.{key} must be a number > 0 (achieved "
+          f"TFLOP/s of {CLASSES[key]}), got {value!r}")
+    rates[key] = float(value)
+  return rates
 
 
 def resolve_hardware(hardware) -> HardwareProfile:

@@ -224,7 +224,7 @@ class _Simulator:
     """(seconds, begin, finish) of `pair` issued now, on its link."""
     link = links.link_of(pair, self.s.module)
     if pair.role == "copy":
-      seconds = self.model.copy_seconds(pair.bytes)
+      seconds = self.model.copy_seconds(pair.bytes, pair.start)
     else:
       seconds = self.model.collective_seconds(pair.kind, pair.bytes,
                                               pair.group_size)

@@ -4,7 +4,11 @@ For a live compile: the instruction (with the computations it calls) is
 copied into a module of its own, its operands made parameters, and XLA's
 `hlo_module_cost_analysis` run on it with the compiling client. Where the
 jaxlib lacks the pieces, or XLA reports no cost (-1, as for most custom
-calls), the cost model falls back to shapes.
+calls), the cost model falls back to shapes; where the client cannot analyse
+at all (the TPU's PJRT C API: `UNIMPLEMENTED: PJRT C API does not support
+GetHloCostAnalysis`), `failure` keeps XLA's words and no instruction is
+asked again, and the report says its costs came from shapes
+(report/analysis.py, `said_cost_source`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class XlaCosts:
     self.module = module
     self.client = client
     self.functions = _xla_functions()
+    #: XLA's words when the client cannot analyse at all (then not asked again).
+    self.failure: str | None = None
 
   @property
   def available(self) -> bool:
@@ -40,15 +46,19 @@ class XlaCosts:
 
   def __call__(self, instr: HloInstruction,
                comp: HloComputation) -> tuple[float, float] | None:
-    if not self.available:
+    if not self.available or self.failure is not None:
       return None
     from_text, analyse = self.functions
     try:
       costs = analyse(self.client, from_text(single_instruction_module(
           instr, comp, self.module)))
-    except Exception:  # noqa: BLE001 - any failure: fall back to shapes
+    except Exception as e:  # noqa: BLE001 - any failure: fall back to shapes
+      if "UNIMPLEMENTED" in str(e):
+        self.failure = " ".join(str(e).split())[:200]
       return None
-    flops = costs.get("flops", -1.0)
+    # XLA leaves out what is zero (an elementwise fusion has no "flops");
+    # -1, or no bytes at all, is a cost it does not know.
+    flops = costs.get("flops", 0.0)
     nbytes = costs.get("bytes accessed", -1.0)
     if flops < 0 or nbytes < 0:
       return None

@@ -34,13 +34,15 @@ class Shape:
   """An array shape (`dtype` and `dims`) or a tuple of shapes (`elements`).
 
   `dims` holds bounds for dynamic dimensions (`f32[<=8]` has dims (8,)).
-  `memory_space` is the `S(n)` of the layout, None when there is none.
+  `memory_space` is the `S(n)` of the layout, None when there is none;
+  `tiled` whether the layout has tiles (`T(8,128)`: XLA:TPU's).
   """
 
   dtype: str | None = None
   dims: tuple[int, ...] = ()
   elements: tuple[Shape, ...] | None = None
   memory_space: int | None = None
+  tiled: bool = False
 
   @property
   def is_tuple(self) -> bool:
@@ -85,14 +87,16 @@ def parse_shape(text: str, pos: int = 0) -> tuple[Shape, int]:
     raise ValueError(f"unclosed '[' in shape {text[pos:pos + 30]!r}")
   dims = tuple(_dim(d) for d in text[m.end() + 1:close].split(",") if d.strip())
   pos = close + 1
-  memory_space = None
+  memory_space, tiled = None, False
   if pos < len(text) and text[pos] == "{":
     end = _matching(text, pos, "{", "}")
-    layout = text[pos + 1:end]
-    ms = _MEMORY_SPACE.search(layout.partition(":")[2])
+    layout = text[pos + 1:end].partition(":")[2]
+    ms = _MEMORY_SPACE.search(layout)
     memory_space = int(ms.group(1)) if ms else None
+    tiled = "T(" in layout
     pos = end + 1
-  return Shape(dtype=dtype, dims=dims, memory_space=memory_space), pos
+  return Shape(dtype=dtype, dims=dims, memory_space=memory_space,
+               tiled=tiled), pos
 
 
 def shape_from_text(text: str) -> Shape:

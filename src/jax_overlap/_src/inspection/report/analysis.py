@@ -12,7 +12,8 @@ from jax_overlap._src.inspection.reading.hlo_module import HloModule
 from jax_overlap._src.inspection.report.in_flight import bytes_in_flight
 from jax_overlap._src.inspection.report.records import (
     CollectiveRecord, CopyRecord, WrittenRecord)
-from jax_overlap._src.inspection.schedule.pairing import Pair, Schedule, read_schedule
+from jax_overlap._src.inspection.schedule.pairing import (
+    Pair, Schedule, meant_async, read_schedule)
 from jax_overlap._src.inspection.model.simulate import simulate
 from jax_overlap._src.inspection.traced.written import WrittenWindow
 
@@ -21,6 +22,9 @@ _POINT_TO_POINT = {"collective-permute", "send", "recv",
 #: The flag of a blocking collective that autodiff wrote (see `_from_autodiff`).
 FROM_AUTODIFF = "from autodiff"
 SHAPES_LABEL = "shapes in the HLO text"
+#: The flag of a collective whose window's compute was costed from shapes
+#: where the report's other costs came from its cost source.
+COSTED_FROM_SHAPES = "compute costed from shapes"
 
 
 def analyse(module: HloModule, hardware: HardwareProfile, *,
@@ -41,8 +45,10 @@ def analyse(module: HloModule, hardware: HardwareProfile, *,
                    | {p.thread for p in collectives})
   several_threads = len(threads) > 1
   in_flight = bytes_in_flight(collectives, module)
+  label, mixed = said_cost_source(model, cost_source, cost_label)
   records = [_collective(p, scheduled, timeline, several_threads,
-                         in_flight[p.key]) for p in collectives]
+                         in_flight[p.key], model if mixed else None)
+             for p in collectives]
   copies = [_copy(p, scheduled, timeline, several_threads)
             for p in scheduled.copies()]
   written_records = [_written(w, model) for w in written or []]
@@ -53,14 +59,65 @@ def analyse(module: HloModule, hardware: HardwareProfile, *,
       "serial_link_bound_s": timeline.serial_link_bound_s,
   }
   fields = dict(
-      source=source, hardware=hardware,
-      cost_source=cost_label if cost_source is not None else SHAPES_LABEL,
+      source=source, hardware=hardware, cost_source=label,
       collectives=records, copies=copies, written=written_records,
       totals=totals, compute_s=timeline.compute_s, step_s=timeline.step_s,
       threads=threads, schedule=schedule, timeline=timeline)
   own = _notes(fields, timeline)
   fields["notes"] = own[:1] + list(notes) + own[1:]
   return fields
+
+
+def said_cost_source(model: CostModel, cost_source, label: str) -> tuple[str, bool]:
+  """(where the report's flops and bytes came from, whether some came from
+  the source and some from shapes). Said as it happened: the source's label
+  only when it answered for every instruction costed, never when its every
+  call failed (XLA's analysis on TPU: `UNIMPLEMENTED`), which the label then
+  quotes (tests/inspection/cost_label_test.py)."""
+  if cost_source is None:
+    return SHAPES_LABEL, False
+  answered = sum(model.answered.values())
+  total = len(model.answered)
+  if answered == total:
+    return label, False
+  if answered == 0:
+    failure = getattr(cost_source, "failure", None)
+    why = f"{label} failed: {failure}" if failure else \
+        f"{label} gave no cost for any instruction"
+    return f"{SHAPES_LABEL} ({why})", False
+  return (f"{label} ({answered} of {total}; {SHAPES_LABEL} for the other "
+          f"{total - answered}, flagged '{COSTED_FROM_SHAPES}' where in a "
+          "window)", True)
+
+
+def _window_from_shapes(pair: Pair, schedule: Schedule,
+                        model: CostModel) -> bool:
+  """Whether compute in `pair`'s window (in the loops and calls it holds
+  too) was costed from shapes."""
+  comps = schedule.module.computations
+  seen: set[str] = set()
+
+  def from_shapes(comp_name: str) -> bool:
+    if comp_name in seen or comp_name not in comps:
+      return False
+    seen.add(comp_name)
+    return any(model.answered.get(i.name) is False
+               or any(from_shapes(c) for c in i.callees(
+                   "body", "to_apply", "branch_computations",
+                   "true_computation", "false_computation"))
+               for i in comps[comp_name].instructions)
+
+  for name in pair.overlapped:
+    if model.answered.get(name) is False:
+      return True
+    for comp in comps.values():
+      instr = comp.by_name.get(name)
+      if instr is not None and instr.opcode in ("while", "call", "conditional"):
+        if any(from_shapes(c) for c in instr.callees(
+            "body", "to_apply", "branch_computations", "true_computation",
+            "false_computation")):
+          return True
+  return False
 
 
 def _loop_of(pair: Pair, schedule: Schedule) -> tuple[str | None, int | None]:
@@ -91,16 +148,26 @@ def _common_flags(pair, schedule, several_threads, loop, trip) -> list[str]:
 
 
 def _collective(pair, schedule, timeline, several_threads,
-                in_flight) -> CollectiveRecord:
+                in_flight, mixed_model=None) -> CollectiveRecord:
+  """`mixed_model`: the model, where the report's costs are mixed, to say
+  per row where shapes costed the window's compute."""
   totals = timeline.totals.get(pair.key)
   loop, trip = _loop_of(pair, schedule)
   flags = _common_flags(pair, schedule, several_threads, loop, trip)
+  costed = None
+  if mixed_model is not None and _window_from_shapes(pair, schedule,
+                                                     mixed_model):
+    costed = SHAPES_LABEL
+    flags.append(COSTED_FROM_SHAPES)
   if pair.made_blocking:
     flags.insert(0, "made blocking by the backend")
   elif not pair.is_async:
     flags.insert(0, "blocking")
-    if _from_autodiff(pair.start):
-      flags.append(FROM_AUTODIFF)
+  # A future autodiff wrote (a transposed all_gather_start) is a future:
+  # its hint is the backend's, not autodiff's.
+  if not pair.is_async and not meant_async(pair.start) and \
+      _from_autodiff(pair, schedule):
+    flags.append(FROM_AUTODIFF)
   if pair.group_size is None and pair.kind not in _POINT_TO_POINT:
     flags.append(f"group size unknown (modelled as {UNKNOWN_GROUP_SIZE})")
   queued = totals.queued_behind if totals else []
@@ -121,17 +188,88 @@ def _collective(pair, schedule, timeline, several_threads,
       spans_iteration=pair.spans_iteration, trip_count=trip, loop=loop,
       runs=totals.runs if totals else 0.0,
       comm_s=totals.seconds if totals else 0.0,
-      exposed_s=totals.exposed if totals else 0.0, flags=flags)
+      exposed_s=totals.exposed if totals else 0.0, flags=flags,
+      cost_source=costed)
 
 
-def _from_autodiff(instr) -> bool:
+def _from_autodiff(pair: Pair, schedule: Schedule) -> bool:
   """Whether jax's autodiff wrote this collective: jax names the backward
   pass's scopes `transpose(...)` in op_name (the gradient of an input
   replicated over a shard_map axis is summed by an all-reduce written
   there). The user cannot make such a collective a future where it is
   written, so the summary suggests what to change instead
-  (tests/integration/real_clients_report_test.py)."""
-  return "transpose(" in attrs.op_name(instr)
+  (tests/integration/real_clients_report_test.py).
+
+  XLA's combiners merge such a sum with others into one collective that
+  keeps one of their op_names (on TPU the loss's `pmean` beside a `P()`
+  weight's gradient: the forward pass's name), but each element of the
+  result keeps its own collective's op_name on its `get-tuple-element`: the
+  collective is autodiff's when the elements autodiff wrote carry most of
+  its bytes. Where the elements carry no op_name (a dump writes them as
+  `%t#N` operands) or XLA kept none at all (XLA:GPU on jax 0.10.2
+  concatenates the sums into one buffer), what made its operands tells, for
+  a combined collective named in the forward pass (`jvp(`) or one not named:
+  a forward collective cannot read what the backward pass made, unless
+  autodiff's sum was combined into it. A pattern's own collective (it has a
+  `jax_overlap.leaf=` scope) is never autodiff's: the library wrote it
+  (tests/inspection/autodiff_hint_test.py,
+  tests/aot/report_hints_compiled_test.py)."""
+  start = pair.start
+  name = attrs.op_name(start)
+  if attrs.leaf(start) or "jax_overlap.leaf=" in name:
+    return False             # a pattern's own collective (fsdp_scan's, ...)
+  if "transpose(" in name:
+    return True
+  comps = schedule.module.computations
+  comp = comps.get(pair.done_computation or pair.computation)
+  if comp is None:
+    return False
+  named = {}   # element index -> op_name of its get-tuple-element
+  for user, _ in comp.users().get((pair.done or start).name, []):
+    if user.opcode == "get-tuple-element" and attrs.op_name(user):
+      index = attrs.integer_list(user.attributes.get("index"))
+      named[index[0] if index else -1] = attrs.op_name(user)
+  # What made the operands tells only for a combined collective (several
+  # operands) named in the forward pass, or for one XLA kept no name for.
+  from_producers = not name or ("jvp(" in name and len(start.operands) > 1)
+  start_comp = comps[pair.computation]
+  autodiff = total = 0.0
+  for k, operand in enumerate(start.operands):
+    source = start_comp.by_name.get(operand)
+    if source is None:
+      continue
+    if k in named:
+      names = [named[k]]
+    elif from_producers:
+      names = [attrs.op_name(p) for p in _named_inputs(source, start_comp, 3,
+                                                       itself=True)]
+    else:
+      names = []
+    if names:
+      total += source.shape.bytes
+      if any("transpose(" in n for n in names):
+        autodiff += source.shape.bytes
+  return autodiff > 0 and 2 * autodiff >= total
+
+
+def _named_inputs(instr, comp, depth: int = 3, itself: bool = False) -> list:
+  """The nearest instructions with an op_name that make `instr`'s operands
+  (`itself`: `instr`, or what makes it), through unnamed ones and elements
+  of tuples (whose names a dump does not write), `depth` deep."""
+  if itself:
+    if attrs.op_name(instr) and instr.opcode not in ("get-tuple-element",
+                                                      "parameter"):
+      return [instr]
+  found = []
+  for name in instr.operands:
+    producer = comp.by_name.get(name)
+    if producer is None or producer.opcode == "parameter":
+      continue
+    if attrs.op_name(producer) and producer.opcode != "get-tuple-element":
+      found.append(producer)
+    elif depth > 0:
+      found += _named_inputs(producer, comp, depth - 1)
+  return found
 
 
 def _copy(pair, schedule, timeline, several_threads) -> CopyRecord:

@@ -21,7 +21,9 @@ class _Record:
 
 @dataclasses.dataclass
 class CollectiveRecord(_Record):
-  """One collective, start to done. `is_async` is `async` in `to_dict`."""
+  """One collective, start to done. `is_async` is `async` in `to_dict`.
+  `cost_source` is None unless the compute in its window was costed from
+  another source than the report's (`OverlapReport.cost_source`) says."""
 
   kind: str
   start: str
@@ -46,6 +48,7 @@ class CollectiveRecord(_Record):
   comm_s: float
   exposed_s: float
   flags: list[str]
+  cost_source: str | None = None
 
   def to_dict(self) -> dict[str, Any]:
     out = super().to_dict()
@@ -99,7 +102,8 @@ _COLLECTIVE_FIELDS = (
     "queued_behind", "async",
     "made_blocking", "bytes", "bytes_in_flight", "group_size", "overlapped",
     "spans_iteration",
-    "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags")
+    "trip_count", "loop", "runs", "comm_s", "exposed_s", "flags",
+    "cost_source")
 
 
 def _plain(value):

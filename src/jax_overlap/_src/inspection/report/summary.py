@@ -61,7 +61,7 @@ def render_summary(report, top: int = TOP) -> str:
                  f"{'s' if n != 1 else ''}; the whole table: --full, or "
                  "report.table()):")
     for rank, (i, c) in enumerate(shown, 1):
-      lines += _collective_lines(rank, i, c)
+      lines += collective_lines(rank, i, c)
   lines += hint_lines(report)
   if report.notes:
     lines.append("")
@@ -102,7 +102,9 @@ def _most_exposed(report, top: int):
   return [(i, c) for i, c in ranked[:top] if c.exposed_s > 0]
 
 
-def _collective_lines(rank: int, index: int, c) -> list[str]:
+def collective_lines(rank: int, index: int, c) -> list[str]:
+  """Collective `c` (#`index` of the report) as the summary's two lines:
+  what it is and what it cost; where it comes from and its flags."""
   runs = f", {c.runs:g} runs" if c.runs != 1 else ""
   head = (f"  {rank}. #{index} {c.kind} {c.start} -> {c.done or '?'}: exposed "
           f"{format_seconds(c.exposed_s)} of {format_seconds(c.comm_s)}"
@@ -133,7 +135,11 @@ def hints_for(report) -> list[str]:
                   f"expose {format_seconds(sum(c.exposed_s for c in small))}, "
                   "nearly all latency: combine these leaves into fewer, "
                   f"larger transfers ({leaves})"))
-  blocked = [c for c in collectives if c.made_blocking and c.exposed_s > 0]
+  # What autodiff wrote has no future to keep, made blocking or not.
+  autodiff = [c for c in collectives if not c.is_async and c.exposed_s > 0
+              and c.kind in _FUTURE and FROM_AUTODIFF in c.flags]
+  blocked = [c for c in collectives if c.made_blocking and c.exposed_s > 0
+             and FROM_AUTODIFF not in c.flags]
   if blocked:
     c = blocked[0]
     found.append((sum(b.exposed_s for b in blocked),
@@ -144,10 +150,8 @@ def hints_for(report) -> list[str]:
                   "what the written order would give (overlap_report(fn, "
                   "schedule='written')(*args))"))
   plain = [c for c in collectives if not c.is_async and not c.made_blocking
-           and c.exposed_s > 0 and c.kind in _FUTURE]
-  # What autodiff wrote cannot be made a future where it stands.
-  autodiff = [c for c in plain if FROM_AUTODIFF in c.flags]
-  plain = [c for c in plain if FROM_AUTODIFF not in c.flags]
+           and c.exposed_s > 0 and c.kind in _FUTURE
+           and FROM_AUTODIFF not in c.flags]
   for kind in sorted({c.kind for c in autodiff}):
     of_kind = [c for c in autodiff if c.kind == kind]
     c = max(of_kind, key=lambda p: p.exposed_s)

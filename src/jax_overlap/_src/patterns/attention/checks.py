@@ -57,10 +57,11 @@ def segment_ids(name: str, segment_ids, q):
   return segment_ids
 
 
-def axis_size(name: str, axis) -> int:
+def axis_size(name: str, axis, arg: str = "axis") -> int:
   return one_axis_size(name, axis,
                        several="a ring over several axes is not supported.",
-                       bound_hint=", with the sequence sharded over it")
+                       bound_hint=", with the sequence sharded over it",
+                       arg=arg)
 
 
 def scale(name: str, scale, head_dim: int) -> float:

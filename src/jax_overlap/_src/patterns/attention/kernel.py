@@ -56,19 +56,27 @@ def empty_stats(q) -> Stats:
 
 
 def mask(causal: bool, sq: int, sk: int, q_seg=None, k_seg=None,
-         k_offset=0, positions=None):
+         k_offset=0, positions=None, window=None):
   """Where queries 0..sq-1 may see keys k_offset..k_offset+sk-1 of a block
-  aligned with them (causal: key position <= query position), and where
-  their segment ids are equal; None where every key is seen. `positions`:
-  (query positions (sq,), key positions (sk,)) to compare instead, for
-  blocks that are not aligned."""
+  aligned with them (causal: key position <= query position; `window`,
+  `(left, right)`: query position - left <= key position <= query position
+  + right, window.py), and where their segment ids are equal; None where
+  every key is seen. `positions`: (query positions (sq,), key positions
+  (sk,)) to compare instead, for blocks that are not aligned."""
   out = None
-  if causal:
+  if causal or window is not None:
     if positions is None:
       q_pos, k_pos = jnp.arange(sq), k_offset + jnp.arange(sk)
     else:
       q_pos, k_pos = positions
-    out = (q_pos[:, None] >= k_pos[None, :])[None, :, None, None, :]
+    q_pos, k_pos = q_pos[:, None], k_pos[None, :]
+    if causal:
+      out = q_pos >= k_pos
+    if window is not None:
+      left, right = window
+      near = (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+      out = near if out is None else out & near
+    out = out[None, :, None, None, :]
   if q_seg is not None:
     same = (q_seg[:, :, None] == k_seg[:, None, :])[:, :, None, None, :]
     out = same if out is None else out & same
@@ -145,21 +153,23 @@ def _block_positions(positions, k_pos):
 
 
 def block_forward(stats: Stats, q, k, v, *, causal: bool, scale: float,
-                  q_seg=None, k_seg=None, positions=None) -> Stats:
+                  q_seg=None, k_seg=None, positions=None,
+                  window=None) -> Stats:
   """`stats` updated with the keys `k`, `v` (a block aligned with `q`'s
-  when `causal`: key i is at the position of query i, unless `positions`
-  gives both blocks' positions)."""
+  when `causal` or `window`: key i is at the position of query i, unless
+  `positions` gives both blocks' positions)."""
   n = _key_blocks(k.shape[1])
   if n == 1:
     return _update(stats, q, k, v, mask(causal, q.shape[1], k.shape[1],
-                                        q_seg, k_seg, positions=positions),
+                                        q_seg, k_seg, positions=positions,
+                                        window=window),
                    scale)
   size = k.shape[1] // n
 
   def body(stats, xs):
     j, kb, vb, sb, pb = xs
     where = mask(causal, q.shape[1], size, q_seg, sb, k_offset=j * size,
-                 positions=_block_positions(positions, pb))
+                 positions=_block_positions(positions, pb), window=window)
     return _update(stats, q, kb, vb, where, scale), None
   stats, _ = jax.lax.scan(
       body, stats, (jnp.arange(n), _split(k, n), _split(v, n),
@@ -168,19 +178,19 @@ def block_forward(stats: Stats, q, k, v, *, causal: bool, scale: float,
 
 
 def block_backward(q, k, v, do, lse, delta, *, causal: bool, scale: float,
-                   q_seg=None, k_seg=None, positions=None):
+                   q_seg=None, k_seg=None, positions=None, window=None):
   """(dq, dk, dv) of this block's part of the attention, float32."""
   n = _key_blocks(k.shape[1])
   if n == 1:
     where = mask(causal, q.shape[1], k.shape[1], q_seg, k_seg,
-                 positions=positions)
+                 positions=positions, window=window)
     return _block_grads(q, k, v, do, lse, delta, where, scale)
   size = k.shape[1] // n
 
   def body(dq, xs):
     j, kb, vb, sb, pb = xs
     where = mask(causal, q.shape[1], size, q_seg, sb, k_offset=j * size,
-                 positions=_block_positions(positions, pb))
+                 positions=_block_positions(positions, pb), window=window)
     dqb, dkb, dvb = _block_grads(q, kb, vb, do, lse, delta, where, scale)
     return dq + dqb, (dkb, dvb)
   dq, (dk, dv) = jax.lax.scan(

@@ -32,7 +32,8 @@ from jax_overlap._src import _compat
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp import use_order
 from jax_overlap._src.patterns.fsdp.layer_inputs import (differentiable,
-                                                         float0_zeros)
+                                                         float0_zeros,
+                                                         without_float0)
 from jax_overlap._src.patterns.fsdp.one_layer import (Splits, layer_at,
                                                       layer_backward,
                                                       layer_forward)
@@ -162,7 +163,14 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
       offsets, _, keep, looped = signature(run_[0])
       looped = len(run_) > 1 if looped is None else looped
       run_ = [s._replace(loop=looped) for s in run_]
-      carry, more = loop(body_of(offsets, keep), carry, run_)
+      # (inside shard_map; unrolled iterations keep the scan's ys: carried
+      # stacks there grew the saved bytes past the activations', fsdp_test::
+      # test_memory_grows_by_activations_only)
+      if save and looped and plan.futures and unroll == 1:
+        carry, more = _saving_loop(loop, step, run_layer, params_, carry,
+                                   run_, offsets, keep, gather_index)
+      else:
+        carry, more = loop(body_of(offsets, keep), carry, run_)
       pieces += more
     # Folded: the last step's gather (of its own layer) is the kept copy.
     kept_last = carry[1][0] if fold_fwd else None
@@ -243,11 +251,12 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
           # reduced: layer i+2's final gradient.
           if reduced is not None:
             grads = put(grads, reduced, i + 2)
-          pend = (g,) + ((scattered,) if scattered is not None else ())
+          pend = (without_float0(g),) + (
+              (scattered,) if scattered is not None else ())
         else:
           if scattered is not None:   # (folded: n - 1 is written again)
             grads = put(grads, scattered, jnp.minimum(i + 1, n - 1))
-          pend = (g,)
+          pend = (without_float0(g),)
         return (x_bar, buf + tuple(got), pend, grads), None
       return body
 
@@ -255,8 +264,8 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
     if steps[0].again:   # the kept copy in the buffer, a zero gradient pending
       g_types = jax.make_jaxpr(lambda: backward(
           saved_at(n - 1, 0), kept_last, y_bar)[1])().out_avals
-      carry = (y_bar, (kept_last,), (jax.tree.unflatten(
-          jax.tree.structure(kept_last), [_zeros(t) for t in g_types]),),
+      carry = (y_bar, (kept_last,), (without_float0(jax.tree.unflatten(
+          jax.tree.structure(kept_last), [_zeros(t) for t in g_types])),),
                grads)
     for run_ in runs(steps, signature):
       offsets, _, weights, pending, piece, _ = signature(run_[0])
@@ -295,6 +304,51 @@ def run(plan, layer, x, params, transfer, unroll, remat_policy, ends=NO_ENDS):
   return run_(x, params)
 
 
+def _saving_loop(loop, step, run_layer, params_, carry, run_, offsets, keep,
+                 gather_index):
+  """`loop` over the forward steps `run_` that save: each layer's residuals
+  are written into stacks carried through the loop, inside the step's
+  compute (its free block), not returned as the loop's ys. Returns what
+  `loop` returns, the pieces holding the stacks as ys would.
+
+  Why: a step's outputs leave its ordered block through barriers, and a
+  residual written into the loop's ys after them is a pass of its own; on
+  a TPU v5e those writes were 5.5 ms of the f32 train step against 0.2 ms in
+  a plain scan, which fuses each into the op that computes the residual
+  (benchmarks/results/chip-2026-12-05/fsdp_profiles). Written inside the
+  free block, XLA fuses them there too. Inside shard_map only (the stacks'
+  types are then the residuals' with a layer axis; on an explicit mesh
+  they would need the residuals' shardings too). Pinned (values and gradients) by
+  tests/patterns/fsdp/fsdp_test.py; the write's place by
+  tests/patterns/fsdp/fsdp_one_device_test.py."""
+  layers = [s.layer for s in run_]
+  lo, length = min(layers), max(layers) + 1 - min(layers)
+  x0, buf0 = carry
+  types = jax.make_jaxpr(
+      lambda: jax.tree.leaves(run_layer(x0, buf0[0])[1]))().out_avals
+  stacks = [_zeros(t, length) for t in types]
+  trees = []
+
+  def body(carry, j):
+    (x, buf), stacks = carry
+
+    def compute():
+      y, saved = run_layer(x, buf[0])
+      leaves, tree = jax.tree.flatten(saved)
+      trees.append(tree)
+      return y, [lax.dynamic_update_index_in_dim(S, v.astype(S.dtype), j - lo, 0)
+                 for S, v in zip(stacks, leaves, strict=True)]
+    (x, stacks), got, _, _ = step(compute, params_,
+                                  [gather_index(j + o) for o in offsets])
+    return ((x, tuple(buf[1:]) + tuple(got)), stacks), (
+        buf[0] if keep else None)
+
+  (carry, stacks), pieces = loop(body, (carry, stacks), run_)
+  ((first, last, kept, stacked),) = pieces
+  return carry, [(first, last, (jax.tree.unflatten(trees[-1], stacks), kept),
+                  stacked)]
+
+
 def step_label(pass_: str, steps) -> str:
   """How the report names the plan steps `steps` of `pass_` (one traced body
   may run several: a loop's), in `fsdp_plan`'s own words, e.g. "forward:
@@ -304,13 +358,14 @@ def step_label(pass_: str, steps) -> str:
   return f"{pass_}: {steps[0].says()} to {steps[-1].says()} (one loop)"
 
 
-def _zeros(aval):
-  """Zeros of type `aval`, varying over its mesh axes (a float0 array for
-  a float0 type)."""
+def _zeros(aval, stacked: int | None = None):
+  """Zeros of type `aval` (`stacked` of them, along a new first axis),
+  varying over its mesh axes (a float0 array for a float0 type)."""
+  shape = aval.shape if stacked is None else (stacked, *aval.shape)
   if aval.dtype == jax.dtypes.float0:
-    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+    return np.zeros(shape, dtype=jax.dtypes.float0)
   axes = _compat.varying_axes(aval)
-  zeros = jnp.zeros(aval.shape, aval.dtype)
+  zeros = jnp.zeros(shape, aval.dtype)
   return zeros if not axes else vary_over(zeros, sorted(axes))
 
 

@@ -47,6 +47,26 @@ def float0_zeros(leaf):
   return np.zeros(jnp.shape(leaf), dtype=jax.dtypes.float0)
 
 
+NO_COTANGENT = np.zeros((), dtype=jax.dtypes.float0)
+
+
+def without_float0(tree):
+  """`tree` with each float0 leaf (the cotangent of an integer, boolean or
+  key part of xs) replaced by `NO_COTANGENT`, one float0 scalar typed alike
+  everywhere.
+
+  Why: the backward loop carries each layer's gradient to the next step's
+  reduce-scatter. A float0 cotangent there is typed as varying where xs[i]
+  is (keys sharded like the batch), which the zeros that start the loop
+  cannot be (a float0 array takes no `pcast`), and `lax.scan` refuses the
+  carry. Nothing reads these leaves: the stack's gradient of such a leaf is
+  float0 zeros of its shape (engine.run's last line).
+  Pinned by tests/patterns/fsdp/fsdp_key_xs_test.py."""
+  return jax.tree.map(
+      lambda g: NO_COTANGENT if jnp.result_type(g) == jax.dtypes.float0
+      else g, tree)
+
+
 class PairTransfer:
   """A transfer (transfer.py) of `(weights, xs_i)` pairs: the weights go
   through `inner`, `xs_i` (and its cotangent) as they are."""

@@ -34,7 +34,7 @@ from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.layer_inputs import differentiable
-from jax_overlap._src.patterns.varying import vary_over
+from jax_overlap._src.patterns.varying import eval_with_varying_consts, vary_over
 
 
 class _Lifted:
@@ -71,50 +71,8 @@ class _Lifted:
     values = list(self.consts)
     for k, c in zip(self.traced, lifted, strict=True):
       values[k] = c
-    out = _eval_with_varying_consts(self.jaxpr, values, jax.tree.leaves(x))
+    out = eval_with_varying_consts(self.jaxpr, values, jax.tree.leaves(x))
     return jax.tree.unflatten(self.out_tree, out)
-
-
-def _eval_with_varying_consts(jaxpr, consts, args) -> list:
-  """`jax_core.eval_jaxpr`, where a const may come typed varying over more
-  mesh axes than it was traced with (`_varying_like_outputs`): a `pvary` of
-  it to axes it varies over already is left out (pvary is the identity on
-  values; jax refuses it on a value already varying), and a `jax.jit` call
-  given such a value is inlined, so that the pvary inside it is left out
-  too (`jnp.take`, flax's `Embed`, is one; bound as it is, its transpose
-  sums the cotangent over the axes: test_before_with_jnp_take_under_grad in
-  tests/integration/real_clients_fsdp_test.py)."""
-  env = {}
-  read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
-  for v, a in zip(jaxpr.constvars, consts):
-    env[v] = a
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    if eqn.primitive.name == "pvary" and len(invals) == 1:
-      outs = [vary_over(invals[0], eqn.params["axes"])]
-    elif _inline(eqn, invals):
-      inner = eqn.params["jaxpr"]
-      outs = _eval_with_varying_consts(_compat.open_jaxpr(inner),
-                                       _compat.jaxpr_consts(inner), invals)
-    else:
-      outs = _compat.bind_eqn(eqn, invals)
-    for v, o in zip(eqn.outvars, outs):
-      env[v] = o
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _inline(eqn, invals) -> bool:
-  """Whether `eqn` is a `jax.jit` call given a value typed varying over
-  more mesh axes than it was traced with."""
-  if eqn.primitive.name not in ("jit", "pjit") or "jaxpr" not in eqn.params:
-    return False
-  for v, a in zip(eqn.invars, invals):
-    have, traced = _compat.varying_axes(a), _compat.varying_axes(v.aval)
-    if have is not None and traced is not None and have - traced:
-      return True
-  return False
 
 
 _ROLE_INPUT = {

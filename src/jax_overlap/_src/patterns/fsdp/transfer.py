@@ -112,7 +112,11 @@ class ShardMapTransfer:
         for (path, a), d in zip(leaves, self.dims, strict=True)])
 
   def _plan(self, leaves):
-    """Buckets of these (local, already cast) leaves, or none."""
+    """`(buckets, lone)`: the buckets of these (local, already cast) leaves
+    and the positions that travel one by one. Over an axis of one device
+    nothing travels (`moves`)."""
+    if not self.moves():
+      return [], []
     if not self.bucket:
       return [], [k for k, d in enumerate(self.dims) if d is not None]
     return plan_buckets(self.dims, [jnp.shape(a) for a in leaves],
@@ -165,7 +169,9 @@ class ShardMapTransfer:
     # (Planned on the gradients' dtypes, which are the gathered weights'.)
     buckets, lone = self._plan(grads_)
     buckets = [_with_local_shapes(b, grads_, self._size()) for b in buckets]
-    out = list(grads_)
+    out = list(grads_) if self.moves() else [   # (one device: cast as sent)
+        a if d is None else self.precision.for_reduce(a)
+        for a, d in zip(grads_, self.dims, strict=True)]
     for k in lone:
       with moving_leaf(leaves[k][0]):
         out[k] = psum_scatter_start(self.precision.for_reduce(grads_[k]),
@@ -184,6 +190,19 @@ class ShardMapTransfer:
   def _size(self) -> int:
     axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
     return math.prod(lax.axis_size(a) for a in axes)
+
+  def moves(self) -> bool:
+    """Whether a gather or reduce-scatter moves anything: over an axis of
+    one device each is the identity, and the shards are used as they are
+    (cast as the gather would cast them), no collective, no bucket.
+
+    Why: XLA removes such a collective, but not what we build around it:
+    on a TPU v5e the buckets' packing and unpacking and the reduce-scatter's
+    all-to-all form (collectives/tpu_forms.py) stayed, a reduce over the
+    one-device axis in half-empty tiles among them, and made the 1-device
+    bf16 train step 2.7x a plain scan's (docs/fsdp.md, "On a TPU v5e").
+    Pinned by tests/patterns/fsdp/fsdp_one_device_test.py."""
+    return self._size() > 1
 
   def _own_dtypes(self, grads):
     if grads is None:

@@ -122,27 +122,7 @@ def _convert(fn, args, name, vary):
     given, fixed_it = iter(given), iter(fixed)
     env_consts = [next(given) if f else next(fixed_it) for f in free]
     flat = jax.tree.leaves(call_args)
-    return jax.tree.unflatten(out_tree, _evaluate(jaxpr, env_consts, flat))
+    return jax.tree.unflatten(out_tree, _varying.eval_with_varying_consts(jaxpr, env_consts, flat))
 
   example = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
   return call, consts, example, _checks.collective_axes(jaxpr)
-
-
-def _evaluate(jaxpr, consts, args) -> list:
-  """Evaluates `jaxpr`, letting a cast to varying pass a value that varies
-  over those axes already (its consts were cast before the call)."""
-  env = {}
-  read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    if eqn.primitive.name == "pvary":
-      outs = [_varying.vary_over(x, eqn.params["axes"]) for x in ins]
-    else:
-      outs = _compat.bind_eqn(eqn, ins)
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
-  return [read(v) for v in jaxpr.outvars]
