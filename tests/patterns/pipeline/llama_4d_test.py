@@ -79,7 +79,7 @@ def _assert_trees_close(got, want, what, tol=TOL):
 # On older jax: the psum plan (no ring in a stage; the cheapest compile).
 @pytest.mark.newest_jax(older_jax=["test_plan_equals_the_single_program[pp_dp_tp]"])
 @pytest.mark.parametrize("name", [
-    pytest.param("pp_fsdp_tp", marks=pytest.mark.slow),
+    "pp_fsdp_tp",
     pytest.param("pp_fsdp_cp", marks=pytest.mark.slow),
     "pp_dp_tp",
     pytest.param("pp_fsdp_ep", marks=pytest.mark.slow),
