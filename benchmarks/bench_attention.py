@@ -138,9 +138,17 @@ def measure(target, variant, seq) -> dict:
   return rec
 
 
+def versions() -> dict:
+  from bench_vs_xla import versions as of_this_run  # noqa: PLC0415
+  return of_this_run()
+
+
 def markdown(meta, records) -> str:
   out = ["# ring_attention: modelled exposed communication and temp bytes", "",
-         f"`{meta['command']}`, {meta['date']}; jax {meta['jax']}. Causal, "
+         f"`{meta['command']}`, {meta['date']}"
+         + (f" ({meta['wall_s']:.0f} s wall)" if "wall_s" in meta else "")
+         + "; " + (", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+                   if "versions" in meta else f"jax {meta['jax']}") + ". Causal, "
          "forward and backward, batch 1, 8 heads, 2 kv heads, head_dim 128, "
          "bf16, 8 devices. Times modelled by the library's report on the "
          "compiled schedule (h100 / tpu-v5e profiles), not measured.", "",
@@ -168,6 +176,7 @@ def main() -> int:
                       default=list(VARIANTS))
   parser.add_argument("--out", default=str(HERE / "results"))
   opts = parser.parse_args()
+  started = time.perf_counter()
   records = []
   for target in opts.targets:
     for seq in opts.seqs:
@@ -177,7 +186,8 @@ def main() -> int:
         print(json.dumps(rec), flush=True)
   meta = {"command": "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-              "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__}
+              "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__,
+          "versions": versions(), "wall_s": time.perf_counter() - started}
   text = markdown(meta, records)
   print("\n" + text)
   out = pathlib.Path(opts.out)
