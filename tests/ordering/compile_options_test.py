@@ -393,7 +393,7 @@ def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
   assert compile_options._options_for(cpu, "cpu", {}) == {}
 
 
-@pytest.mark.skipif(not _compat.IN_FLIGHT_LEFT_UNFENCED,
+@pytest.mark.skipif(_compat.ASYNC_CUSTOM_CALLS,
                     reason="jax 0.12 lowers a future as its async pair, not "
                     "as the plain collective XLA places itself")
 def test_gpu_plain_futures_get_the_latency_hiding_scheduler_with_a_loop_or_psum():
@@ -425,7 +425,7 @@ def test_gpu_plain_futures_get_the_latency_hiding_scheduler_with_a_loop_or_psum(
   assert lhs not in compile_options._options_for(loop, "cpu", {})
 
 
-@pytest.mark.skipif(not _compat.IN_FLIGHT_LEFT_UNFENCED,
+@pytest.mark.skipif(_compat.ASYNC_CUSTOM_CALLS,
                     reason="jax 0.12 lowers a future as its async pair, not "
                     "as the plain collective XLA places itself")
 def test_gpu_modules_of_futures_only_get_the_sol_estimator_off():

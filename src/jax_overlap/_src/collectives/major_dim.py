@@ -140,10 +140,10 @@ def _all_to_all(params, x):
 def _ppermute(params, x):
   """On GPU (quirk "gpu-flat-permute") a rank >= 2 operand travels as one
   flat buffer; elsewhere as it is. Only where the future is an async region:
-  on jax without it (`_compat.IN_FLIGHT_LEFT_UNFENCED`) the plain permute
+  on jax without it (`not _compat.ASYNC_CUSTOM_CALLS`) the plain permute
   holds no layout bitcasts and compiles as it is (jax 0.10.2 and 0.11.0,
   tests/aot/pipeline_compiled_test.py's lockstep case)."""
-  if x.ndim < 2 or _compat.IN_FLIGHT_LEFT_UNFENCED:
+  if x.ndim < 2 or not _compat.ASYNC_CUSTOM_CALLS:
     return None
   platform, kind = _compat.trace_device()
   if not quirks.applies("gpu-flat-permute", platform, kind):

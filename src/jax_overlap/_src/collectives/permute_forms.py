@@ -83,7 +83,7 @@ def wanted(name: str) -> bool:
   if FORCE:
     return True
   platform, kind = _compat.trace_device()
-  if name == "all_gather" and _compat.IN_FLIGHT_LEFT_UNFENCED and \
+  if name == "all_gather" and not _compat.ASYNC_CUSTOM_CALLS and \
       quirks.applies("tpu-plain-permute-gathers", platform, kind):
     return True
   return quirks.applies("tpu-permute-forms", platform, kind)
