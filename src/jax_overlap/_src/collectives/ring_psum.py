@@ -33,7 +33,7 @@ tests/aot/fsdp_settings_compiled_test.py's HSDP replicas).
 Values: each chunk is summed on one device, so every device gets the same
 value; it matches `jax.lax.psum` up to the order of the sum
 (tests/collectives/tpu_forms_test.py checks values and gradients on CPU with
-`tpu_forms.FORCE`, the all-gather moved up or not, and as permutes).
+`tpu_forms.forced()`, the all-gather moved up or not, and as permutes).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
   if bound is None:
     return None
   axis, n = bound
-  if not tpu_forms.FORCE and axis not in _mesh_axes():
+  if not tpu_forms.is_forced() and axis not in _mesh_axes():
     return None   # a vmap axis: the plain future
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.number) or \
