@@ -354,14 +354,15 @@ class Plan:
 
   def _body(self, params, tokens, targets):
     par = self.parallel()
-    layer = lambda x, w: block(x, w, par)
+    layer = lambda w, x: block(x, w, par)     # the params first, as fsdp_scan's
     blocks = params["blocks"]
 
     def stage(w, x):    # w: this stage's blocks, [layers / pp, ...] (local parts)
       if "fsdp" in self.axes:
         return jax_overlap.fsdp_scan(layer, x, w, axis="fsdp",
-                                     shard_dims=self._shard_dims(w))
-      return lax.scan(lambda x, wi: (layer(x, wi), None), x, w)[0]
+                                     shard_dims=self._shard_dims(w),
+                                     params_first=True)
+      return lax.scan(lambda x, wi: (layer(wi, x), None), x, w)[0]
 
     last = lambda y, t: head_loss(params, y, t)
     if "pp" in self.axes:

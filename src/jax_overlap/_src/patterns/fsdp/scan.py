@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from jax_overlap._src import _compat, eager_shard_map
-from jax_overlap._src.patterns.fsdp import engine, use_order
+from jax_overlap._src.patterns.fsdp import argument_order, engine, use_order
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
@@ -30,7 +30,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               xs=None, param_dtype=None, reduce_dtype=None,
               bucket: bool = True, replica_axis=None,
               reshard_after_forward: bool | int = 1, prefetch: int = 1,
-              before=None, after=None, has_ys: bool = False):
+              before=None, after=None, has_ys: bool = False,
+              params_first: bool = False):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -62,9 +63,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     (explicit_futures.py): there the prefetch overlaps as inside shard_map.
 
   Args:
-    layer: `layer(x, layer_params) -> x` (`layer(x, layer_params, xs_i)`
-      with `xs`), the same structure, shapes and
-      dtypes out as in (checked at the call). It may be a `jax.jit`-wrapped
+    layer: `layer(layer_params, x) -> x` with `params_first=True`
+      (`layer(layer_params, x, xs_i)` with `xs`), the same structure, shapes
+      and dtypes out as x's (checked at the call). It may be a `jax.jit`-wrapped
       function (its body is split like any other), and it may close over
       traced values, even ones being differentiated: they are lifted into
       explicit inputs, and their gradients flow (values computed from them
@@ -100,8 +101,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       its activations.
     xs: per-layer inputs, a pytree stacked over the layers like `params`
       (PRNG keys for dropout, layer indices, per-layer flags or scales),
-      never gathered: layer i is called as `layer(x, params[i], xs[i])`, as
-      `lax.scan` passes its `xs`. Values computed from `xs[i]` alone (a
+      never gathered: layer i is called as `layer(params[i], x, xs[i])`
+      (the parameters, the carried activation, then the rest, as `lax.scan`
+      passes its `xs` after the carry). Values computed from `xs[i]` alone (a
       dropout mask from a key) are recomputed in the backward pass, not
       saved. Float parts get gradients; integer, boolean and key parts
       float0 ones. Inside shard_map give them in_specs `P()` (the same on
@@ -161,6 +163,15 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       `(carry, y)`, and fsdp_scan returns `(x, ys)` (with `after`:
       `(after(x), ys)`), the ys stacked over the layers (aux losses, KV
       caches, sown values); their gradients flow. False: the layer returns x.
+    params_first: True: the layer is called `layer(params[i], x)`, the
+      parameters first, as every pattern calls its function
+      (`pipeline_loss`'s `stage_fn(params, x)`, `expert_parallel`'s
+      `expert_fn(params, tokens)`, flax's `apply(params, x)`). False (the
+      default for now, deprecated): `layer(x, params[i])`, with a
+      `jax_overlap.errors.LayerArgumentOrderWarning` at the call; the
+      default becomes True in a later release. Types cannot tell the two
+      orders apart (a square weight and an activation of one shape fit
+      both), so the order is said, not guessed.
 
   The steps these settings run (what each gathers, computes,
   reduce-scatters and keeps) are `jax_overlap.fsdp_plan(n_layers, ...)`'s,
@@ -176,13 +187,13 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     >>> from jax_overlap import fsdp_scan
     >>> mesh = jax.make_mesh((2,), ("d",),
     ...                      axis_types=(jax.sharding.AxisType.Auto,))
-    >>> def layer(x, w):
+    >>> def layer(w, x):             # one layer's weights, then x
     ...   return jnp.tanh(x @ w)
     >>> @jax.jit
     ... @jax.shard_map(mesh=mesh, in_specs=(P("d"), P(None, "d")),
     ...                out_specs=P("d"))
     ... def model(x, ws):            # ws: this device's shard of each layer
-    ...   return fsdp_scan(layer, x, ws, axis="d")
+    ...   return fsdp_scan(layer, x, ws, axis="d", params_first=True)
     >>> x, ws = jnp.ones((4, 8)), jnp.full((3, 8, 8), 0.1)   # 3 layers
     >>> model(x, ws).shape
     (4, 8)
@@ -196,21 +207,31 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     ... def loss(table, ws, tokens):
     ...   return jax.lax.pmean(fsdp_scan(
     ...       layer, tokens, ws, axis="d", before=lambda t: table[t],
-    ...       after=lambda y: jnp.mean(y ** 2)), "d")
+    ...       after=lambda y: jnp.mean(y ** 2), params_first=True), "d")
     >>> table, tokens = jnp.ones((5, 8)), jnp.arange(4) % 5
     >>> [g.shape for g in jax.grad(loss, argnums=(0, 1))(table, ws, tokens)]
     [(5, 8), (3, 8, 8)]
   """
+  check_bool(params_first, "params_first")
+  if not callable(layer):
+    raise TypeError(f"fsdp_scan(layer=...) must be a function "
+                    f"{argument_order.layer_call(params_first)} -> x, got "
+                    f"{layer!r}.")
+  if not params_first:   # (said at the user's call, once a call site)
+    argument_order.warn_params_last(stacklevel=2)
   if eager_shard_map.in_eager_shard_map():
     # An eager shard_map compiles each primitive anew at every call; the whole
     # scan runs there as one cached program (tests/integration/real_clients_eager_test.py).
     settings = {k: v for k, v in locals().items()
-                if k not in ("layer", "x", "params")}
+                if k not in ("layer", "x", "params", "params_first")}
+    inner = layer if params_first else (
+        lambda w, x, *rest: layer(x, w, *rest))
     return eager_shard_map.run_as_one(
-        lambda x, params: fsdp_scan(layer, x, params, **settings), x, params)
-  if not callable(layer):
-    raise TypeError(f"fsdp_scan(layer=...) must be a function "
-                    f"layer(x, layer_params) -> x, got {layer!r}.")
+        lambda x, params: fsdp_scan(inner, x, params, params_first=True,
+                                    **settings), x, params)
+  call = argument_order.layer_call(params_first, xs is not None)
+  if params_first:   # the executor calls layer(x, w[, xs_i])
+    layer = argument_order.x_first(layer)
   if unroll is not None and (isinstance(unroll, bool)
                              or not isinstance(unroll, int) or unroll < 1):
     raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1 or None, "
@@ -260,7 +281,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     params = (params, xs)
   user_layer = layer
   layer, hoisted, widen = traced_layer(user_layer, x, transfer,
-                                       layer_at(params, 0), n_layers)
+                                       layer_at(params, 0), n_layers, call)
   if widen is not None:
     # The layer makes carry leaves vary over more axes: they start so.
     if ends is None:
@@ -270,7 +291,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       ends = StackEnds(lambda v: widen_carry(first(v), widen), after, x_in)
       x = ends.stack_input
     layer, hoisted, _ = traced_layer(user_layer, x, transfer,
-                                     layer_at(params, 0), n_layers)
+                                     layer_at(params, 0), n_layers, call)
   if unroll is None:   # one layer an iteration; p with prefetch p
     unroll = steps.prefetch
   if steps.kept > 1 or steps.prefetch > 1:

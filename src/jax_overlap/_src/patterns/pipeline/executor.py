@@ -33,7 +33,7 @@ from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
-from jax_overlap._src.patterns.pipeline.tick_names import label
+from jax_overlap._src.patterns.pipeline.tick_names import label, sum_label
 from jax_overlap._src.patterns.pipeline.work import Model, Work, float_leaves
 
 DISPATCHES = ("switch", "lockstep")
@@ -98,8 +98,9 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
                                      send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
   # only the last stage's are not 0
-  loss = jax.lax.psum(state["loss"], axis) / m
-  aux = jax.tree.map(lambda a: jax.lax.psum(a, axis), state["aux"])
+  with moving(sum_label("the loss")):   # the report's leaf (tick_names.py)
+    loss = jax.lax.psum(state["loss"], axis) / m
+    aux = jax.tree.map(lambda a: jax.lax.psum(a, axis), state["aux"])
   if not with_grads:
     return loss, aux
   return (loss, aux, state["grads"], state["dconsts"], state["dxs"],

@@ -13,6 +13,7 @@ switches' sends). Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -21,7 +22,9 @@ from jax_overlap._src.patterns.pipeline import checks as _checks
 from jax_overlap._src.patterns.pipeline import plan as _plan
 from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
                                                          reduce_like)
+from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline.pieces import model_of
+from jax_overlap._src.patterns.pipeline.tick_names import sum_label
 from jax_overlap._src.patterns.pipeline.work import (float0_like, is_float,
                                                     with_floats)
 
@@ -135,15 +138,27 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     # each device's part scaled by its own cotangent, then summed
     scale = lambda g, like: reduce_like((ct * g).astype(g.dtype), like)
     out = []
-    for parts, like in zip(grads, primals):
+    for parts, like, name in zip(grads, primals, _SUMMED):
       floats = [a for a in jax.tree.leaves(like) if is_float(a)]
-      out.append(with_floats(like, [scale(g, f) for g, f in zip(parts, floats)],
-                             float0_like))
+      # What is replicated over the pipeline axis is summed over it: the
+      # report's leaf says so (tick_names.py).
+      with (contextlib.nullcontext() if name is None
+            else moving(sum_label(f"the gradient of {name}"))):
+        summed = [scale(g, f) for g, f in zip(parts, floats)]
+      out.append(with_floats(like, summed, float0_like))
     return tuple(out)
 
   run.defvjp(run_fwd, run_bwd)
   loss, aux = run(stage_params, built.consts, xs, targets)
   return (loss, aux) if has_aux else loss
+
+
+#: The report's name for the sum of each input's gradient parts, in the
+#: order of run's inputs. None for stage_params, sharded over the pipeline
+#: axis (a sum over another axis is autodiff's usual one), and for the
+#: closed-over values, cast to vary before the custom_vjp (pieces.py names
+#: autodiff's sum of their gradients).
+_SUMMED = (None, None, "xs", "targets")
 
 
 @jax.custom_jvp
