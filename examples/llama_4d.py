@@ -18,7 +18,7 @@ same parameters inside one `jax.shard_map` over a mesh whose axes say how:
   block's projections are `all_gather_matmul` / `matmul_reduce_scatter` rings
   (Megatron's sequence parallelism, the communication hidden behind the
   matmuls); with `tensor="psum"` the activations are whole and each block ends
-  in a `psum` (Megatron's first form);
+  in a sum (Megatron's first form), `matmul_psum` in chunks of the sequence;
 - `cp` (context parallel): the sequence split in the zigzag layout, attention
   by `ring_attention` (causal);
 - `ep` (expert parallel): the experts spread over it, `expert_parallel` sends
@@ -320,7 +320,14 @@ class Plan:
                 row=lambda a, w: jax_overlap.matmul_reduce_scatter(
                     a, w, "tp", scatter_dimension=1))
     elif "tp" in self.axes:
-      kw.update(row=lambda a, w: lax.psum(a @ w, "tp"))
+      # psum(a @ w) with the rows in 2 chunks, each chunk's sum in flight
+      # behind the next chunk's matmul. In a stage the residual stream
+      # varies over 'tp' (pipeline_loss's activations vary over every input
+      # axis), so the sum is typed varying too and its gradient's sum is
+      # matmul_psum's, chunked the same way (not a psum jax adds after it).
+      to = "varying" if "pp" in self.axes else "invarying"
+      kw.update(row=lambda a, w: jax_overlap.matmul_psum(
+          a, w, "tp", chunks=2, dimension=1, to=to))
     if "cp" in self.axes:
       cp = self.axes["cp"]
 
