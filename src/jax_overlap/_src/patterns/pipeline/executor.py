@@ -80,7 +80,7 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
     chunk = jax.tree.map(lambda a: vary(a[0]) if is_float(a) else a[0], params)
     layout = _residuals.layout(model.stage, recompute, chunk,
                                jax.tree.map(vary, consts), zero_act,
-                               vary(jnp.zeros((), jnp.int32)))
+                               vary(jnp.zeros((), jnp.int32)), axes)
     state["res"] = [vary(jnp.zeros((rows,) + a.shape, a.dtype))
                     for a in layout.kept]
   work = Work(model, m, with_grads, vary, zero_act, layout)

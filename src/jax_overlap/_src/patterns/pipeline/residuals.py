@@ -10,6 +10,11 @@ the executor's types (`layout`), the leaves that are the stage's own inputs
 back from where they already live, and only the others take rows of the
 executor's buffers: one row a (microbatch, chunk) in flight, the rows the
 kept stage inputs use (buffers.py), so the memory stays flat in m. A
+residual typed as varying over fewer mesh axes than the buffers (one a
+collective's position computes from its axis index alone, say) cannot come
+back from them with its type; the backward computes it again from the
+stage's inputs (XLA drops the rest of that second forward; ring attention
+inside an FSDP stage has such residuals: llama_4d_test's pp_fsdp_cp). A
 `jax.checkpoint` policy keeps what the policy saves and recomputes the rest
 in the backward; `recompute=True` keeps nothing (the backward runs the
 stage's forward again from the kept input). Pinned by
@@ -22,6 +27,11 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+
+from jax_overlap._src import _compat
+
+#: A vjp leaf the backward computes again (`Layout.source`).
+AGAIN = "again"
 
 
 def check_recompute(recompute) -> None:
@@ -57,18 +67,21 @@ class Layout:
   def split(self, vjp, inputs) -> list:
     """The leaves of `vjp` to keep (the forward action's)."""
     leaves, _ = jax.tree.flatten(vjp)
-    source = _sources(leaves, inputs)
-    if source != self.source:
+    expected = tuple(None if k == AGAIN else k for k in self.source)
+    if _sources(leaves, inputs) != expected:
       raise AssertionError(
           "pipeline_loss: the stage's vjp has another structure in the "
           "forward action than when traced once; pass recompute=True.")
-    return [a for a, k in zip(leaves, source) if k is None]
+    return [a for a, k in zip(leaves, self.source) if k is None]
 
-  def join(self, kept, inputs):
+  def join(self, kept, inputs, again: Callable):
     """The stage's vjp from the kept leaves and the stage inputs (the
-    backward action's)."""
+    backward action's); `again()` gives the vjp computed again, for the
+    leaves that are not kept."""
     given, kept = jax.tree.leaves(inputs), iter(kept)
-    leaves = [next(kept) if k is None else given[k] for k in self.source]
+    fresh = jax.tree.leaves(again()) if AGAIN in self.source else None
+    leaves = [next(kept) if k is None else fresh[n] if k == AGAIN else given[k]
+              for n, k in enumerate(self.source)]
     return jax.tree.unflatten(self.tree, leaves)
 
 
@@ -77,17 +90,25 @@ def _sources(leaves, inputs) -> tuple:
   return tuple(where.get(id(a)) for a in leaves)
 
 
-def layout(fn: Callable, recompute, chunk, consts, x, i) -> Layout:
+def layout(fn: Callable, recompute, chunk, consts, x, i, axes) -> Layout:
   """`fn(chunk, consts, x, i)`'s vjp structure, traced once on these
-  (abstract) values."""
+  (abstract) values; `axes`: those the buffers vary over."""
   found = {}
 
   def probe(chunk, consts, x, i):
     inputs = (chunk, consts, x)
     _, vjp = stage_vjp(lambda w, c, x_: fn(w, c, x_, i), recompute, *inputs)
     leaves, tree = jax.tree.flatten(vjp)
-    found["tree"], found["source"] = tree, _sources(leaves, inputs)
+    source = _sources(leaves, inputs)
+    found["tree"] = tree
+    found["source"] = tuple(AGAIN if k is None and _narrower(a, axes) else k
+                            for a, k in zip(leaves, source))
     return [a for a, k in zip(leaves, found["source"]) if k is None]
 
   kept = jax.eval_shape(probe, chunk, consts, x, i)
   return Layout(found["tree"], found["source"], tuple(kept), recompute)
+
+
+def _narrower(a, axes) -> bool:
+  have = _compat.varying_axes(a)
+  return have is not None and not set(axes) <= set(have)

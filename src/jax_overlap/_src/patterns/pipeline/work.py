@@ -199,8 +199,10 @@ class Work:
     chunk, cvar, x = self._stage_inputs(chunk, consts, x)
     fn = self._stage_at(i)
     if self.residuals is not None:   # the vjp the forward action kept
+      again = lambda: _residuals.stage_vjp(fn, self.residuals.recompute,
+                                           chunk, cvar, x)[1]
       vjp = self.residuals.join([_at(a, s) for a in state["res"]],
-                                (chunk, cvar, x))
+                                (chunk, cvar, x), again)
       dw, dc, dx = vjp(dy)
       dw, dc, dx = (dw if weights else None, dc if inputs else None,
                     dx if inputs else None)
