@@ -344,6 +344,10 @@ def print_tables(bodies, fsdp, modelled):
     print(f"| {key.replace('_', ' ')} | " + " | ".join(str(fsdp[c][key]) for c in cols)
           + " | |")
 
+  print_modelled(modelled)
+
+
+def print_modelled(modelled):
   print("\n## 3. Modelled exposed communication (written schedule, H100 profile; "
         "modelled, not measured)\n")
   print("| program | variant | communication (us) | exposed (us) | perfect schedule "
@@ -396,11 +400,17 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="skip the 10,000-equation body")
+  parser.add_argument("--modelled-only", action="store_true",
+                      help="only section 3 (modelled, no timing): print its table; "
+                      "the results file is left as it is")
   opts = parser.parse_args()
   say = lambda s: print(s, flush=True)
   say(f"jax {jax.__version__}, Python {platform.python_version()}, "
       f"{len(jax.devices())} {jax.devices()[0].platform} devices, "
       f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
+  if opts.modelled_only:
+    print_modelled(bench_modelled(say))
+    return
   sizes = (100, 1000) if opts.quick else (100, 1000, 10_000)
   bodies = bench_bodies(sizes, say)
   fsdp = bench_fsdp(say)

@@ -64,18 +64,19 @@ VARIANTS = ("ring (futures)", "ring (ppermute)", "all-gather")
 class _Plain:
   """A finished ppermute standing where a future was."""
 
-  def __init__(self, x, cfg):
-    self._x, self._cfg = x, cfg
+  def __init__(self, x, cfg, shift):
+    self._x, self._cfg, self._shift = x, cfg, shift
 
   def done(self):
-    perm = [(j, (j + 1) % self._cfg.size) for j in range(self._cfg.size)]
+    n = self._cfg.size
+    perm = [(j, (j + self._shift) % n) for j in range(n)]
     return jax.lax.ppermute(self._x, self._cfg.axis, perm)
 
 
 @contextlib.contextmanager
 def _plain_ppermutes():
-  send = _ring._send
-  _ring._send = lambda x, cfg: _Plain(x.reshape(-1, x.shape[-1]), cfg)
+  send = _ring._send   # (x, cfg, shift): sends x `shift` devices on
+  _ring._send = lambda x, cfg, shift=1: _Plain(x.reshape(-1, x.shape[-1]), cfg, shift)
   try:
     yield
   finally:
@@ -117,7 +118,7 @@ def program(variant, mesh, seq):
   return step, (arg(s["heads"]), arg(s["kv_heads"]), arg(s["kv_heads"]))
 
 
-def measure(target, variant, seq) -> dict:
+def measure(target, variant, seq, keep_hlo=None) -> dict:
   from bench_vs_xla import _mesh  # noqa: PLC0415
   rec = {"target": target, "variant": variant, "seq": seq}
   try:
@@ -127,6 +128,11 @@ def measure(target, variant, seq) -> dict:
           else contextlib.nullcontext()):
       compiled = jax.jit(fn).lower(*args).compile()
     rec["compile_s"] = time.perf_counter() - t0
+    if keep_hlo:
+      path = pathlib.Path(keep_hlo) / f"{target}-{variant}-{seq}.txt".replace(" ", "_")
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(compiled.as_text())
+      rec["hlo"] = str(path)
     report = jax_overlap.OverlapReport.from_hlo(compiled.as_text(),
                                                 hardware=PROFILE[target])
     t = report.totals
@@ -138,9 +144,17 @@ def measure(target, variant, seq) -> dict:
   return rec
 
 
+def versions() -> dict:
+  from bench_vs_xla import versions as of_this_run  # noqa: PLC0415
+  return of_this_run()
+
+
 def markdown(meta, records) -> str:
   out = ["# ring_attention: modelled exposed communication and temp bytes", "",
-         f"`{meta['command']}`, {meta['date']}; jax {meta['jax']}. Causal, "
+         f"`{meta['command']}`, {meta['date']}"
+         + (f" ({meta['wall_s']:.0f} s wall)" if "wall_s" in meta else "")
+         + "; " + (", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+                   if "versions" in meta else f"jax {meta['jax']}") + ". Causal, "
          "forward and backward, batch 1, 8 heads, 2 kv heads, head_dim 128, "
          "bf16, 8 devices. Times modelled by the library's report on the "
          "compiled schedule (h100 / tpu-v5e profiles), not measured.", "",
@@ -167,17 +181,21 @@ def main() -> int:
   parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                       default=list(VARIANTS))
   parser.add_argument("--out", default=str(HERE / "results"))
+  parser.add_argument("--keep-hlo", metavar="DIR",
+                      help="keep each compiled module (as_text) in DIR")
   opts = parser.parse_args()
+  started = time.perf_counter()
   records = []
   for target in opts.targets:
     for seq in opts.seqs:
       for variant in opts.variants:
-        rec = measure(target, variant, seq)
+        rec = measure(target, variant, seq, opts.keep_hlo)
         records.append(rec)
         print(json.dumps(rec), flush=True)
   meta = {"command": "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-              "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__}
+              "%Y-%m-%d %H:%M UTC"), "jax": jax.__version__,
+          "versions": versions(), "wall_s": time.perf_counter() - started}
   text = markdown(meta, records)
   print("\n" + text)
   out = pathlib.Path(opts.out)

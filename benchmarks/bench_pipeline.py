@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import pathlib
+import shlex
 import sys
 import time
 
@@ -153,7 +154,11 @@ def measure(target, variant, width, m) -> dict:
 def markdown(meta, records) -> str:
   out = ["# pipeline_loss against MaxText's shift loop: modelled step, exposed "
          "communication, bubble", "",
-         f"`{meta['command']}`, {meta['date']}; jax {meta['jax']}. The demo's "
+         "; ".join(f"`{run['command']}`, {run['date']}"
+                   + (f" ({run['wall_s']:.0f} s wall)" if "wall_s" in run else "")
+                   for run in meta.get("runs") or [meta])
+         + "; " + (", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+                   if "versions" in meta else f"jax {meta['jax']}") + ". The demo's "
          f"transformer at width {meta['width']} (8 blocks, 4 stages x 2 FSDP, "
          f"{meta['microbatches']} microbatches), value_and_grad, f32. Times "
          "modelled by the library's report on the real compilers' schedules "
@@ -189,9 +194,11 @@ def main() -> int:
                       help="keep the records of OUT.json this run does not redo")
   opts = parser.parse_args()
   out = pathlib.Path(opts.out)
+  started = time.perf_counter()
   redo = {(t, v) for t in opts.targets for v in opts.variants}
-  kept = [r for r in json.loads(out.with_suffix(".json").read_text())["records"]
-          if (r["target"], r["variant"]) not in redo] if opts.merge else []
+  before = json.loads(out.with_suffix(".json").read_text()) if opts.merge else None
+  kept = [r for r in before["records"]
+          if (r["target"], r["variant"]) not in redo] if before else []
   records = []
   for target in opts.targets:
     for variant in opts.variants:
@@ -216,8 +223,16 @@ def main() -> int:
               f"{r['step_s'] / base['step_s']:.2f}x, exposed comm "
               f"{r['exposed_s'] / max(base['exposed_s'], 1e-12):.2f}x, temp "
               f"{r['temp_bytes'] / base['temp_bytes']:.2f}x")
-  meta = {"command": "python benchmarks/bench_pipeline.py " + " ".join(sys.argv[1:]),
-          "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+  from bench_vs_xla import versions  # noqa: PLC0415
+  run = {"command": "python benchmarks/bench_pipeline.py " + shlex.join(sys.argv[1:]),
+         "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+             "%Y-%m-%d %H:%M UTC"), "wall_s": time.perf_counter() - started}
+  # merged: every run whose records are kept is named (the earlier file's own runs too)
+  runs = ([*(before["meta"].get("runs") or [{k: before["meta"][k] for k in
+                                              ("command", "date", "wall_s")
+                                              if k in before["meta"]}]), run]
+          if kept else [run])
+  meta = {**run, "runs": runs, "jax": jax.__version__, "versions": versions(),
           "width": opts.width, "microbatches": opts.microbatches}
   out.with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records},
                                                  indent=2))
