@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jax_overlap._src import _compat, eager_shard_map
+from jax_overlap._src import eager_shard_map
 from jax_overlap._src.patterns.fsdp import argument_order, engine, use_order
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
@@ -17,8 +17,8 @@ from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          with_layer_inputs)
 from jax_overlap._src.patterns.fsdp.layer_outputs import LayerOutputs
 from jax_overlap._src.patterns.fsdp.one_layer import layer_at
-from jax_overlap._src.patterns.fsdp.plan import (check_bool, kept_layers,
-                                                 loop_unroll, plan,
+from jax_overlap._src.patterns.fsdp.plan import (check_bool, check_unroll,
+                                                 kept_layers, plan,
                                                  prefetch_depth)
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.stack_ends import StackEnds, check_end
@@ -232,10 +232,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   call = argument_order.layer_call(params_first, xs is not None)
   if params_first:   # the executor calls layer(x, w[, xs_i])
     layer = argument_order.x_first(layer)
-  if unroll is not None and (isinstance(unroll, bool)
-                             or not isinstance(unroll, int) or unroll < 1):
-    raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1 or None, "
-                     f"got {unroll!r}.")
+  check_unroll(unroll)
   check_remat_policy(remat_policy)
   check_bool(has_ys, "has_ys")
   check_bool(bucket, "bucket")
@@ -250,7 +247,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
                              replica_axis)
   steps = plan(n_layers, prefetch=prefetch,
-               reshard_after_forward=reshard_after_forward,
+               reshard_after_forward=reshard_after_forward, unroll=unroll,
                futures=transfer.in_shard_map,
                hsdp=replica_axis is not None,
                bucket=bucket, before=before is not None,
@@ -292,21 +289,13 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       x = ends.stack_input
     layer, hoisted, _ = traced_layer(user_layer, x, transfer,
                                      layer_at(params, 0), n_layers, call)
-  if unroll is None:   # one layer an iteration; p with prefetch p
-    unroll = steps.prefetch
-  if steps.kept > 1 or steps.prefetch > 1:
-    # Loops that carry several gathered layers (plan.loop_unroll); kept
-    # layers saved on an explicit mesh need the unroll _compat gives.
-    if steps.kept and not transfer.in_shard_map:
-      unroll = _compat.unroll_saving_reduced(unroll)
-    unroll = loop_unroll(unroll, steps.prefetch)
   if ends is not None:
     return engine.run(steps, layer, ends.run_input(x_in, hoisted), params,
-                      transfer, unroll, remat_policy, ends)
+                      transfer, remat_policy, ends)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
     # they ride along in the carry, so their gradients flow like x's.
-    y, _ = engine.run(steps, layer, (x, hoisted), params, transfer, unroll,
+    y, _ = engine.run(steps, layer, (x, hoisted), params, transfer,
                       remat_policy)
     return y
-  return engine.run(steps, layer, x, params, transfer, unroll, remat_policy)
+  return engine.run(steps, layer, x, params, transfer, remat_policy)
