@@ -69,7 +69,7 @@ def _worker(variant: str, n_layers: int, profile: bool,
     keep = jax.random.bernoulli(key, 1 - rate, x.shape)
     return jnp.where(keep, x / (1 - rate), 0)
 
-  def layer(x, w, key):
+  def layer(w, x, key):     # the params, the carry, then the layer's key
     traces[0] += 1
     k1, k2 = jax.random.split(key)
     h = ln(x, w["ln1"])
@@ -104,7 +104,7 @@ def _worker(variant: str, n_layers: int, profile: bool,
   key = shard(jax.random.key(1), P())
 
   def stack_plain(x, full, keys):
-    y, _ = lax.scan(lambda x, wk: (layer(x, *wk), None), x, (full, keys),
+    y, _ = lax.scan(lambda x, wk: (layer(wk[0], x, wk[1]), None), x, (full, keys),
                     unroll=int(os.environ.get("BENCH_SCAN_UNROLL", "1")))
     return y
 
@@ -127,7 +127,7 @@ def _worker(variant: str, n_layers: int, profile: bool,
 
   def fsdp_body(x, params, keys):
     return jo.fsdp_scan(layer, x, params, axis="d", shard_dims=dims, xs=keys,
-                        **fsdp_kw)
+                        params_first=True, **fsdp_kw)
 
   loss = {"jit": loss_jit, "smap": local_loss(smap_body),
           "fsdp": local_loss(fsdp_body)}[variant]

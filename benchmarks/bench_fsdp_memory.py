@@ -45,7 +45,7 @@ from jax_overlap import fsdp_scan  # noqa: E402
 AXIS = "d"
 
 
-def mlp_layer(x, w):
+def mlp_layer(w, x):
   return x + jnp.tanh(x @ w["w1"]) @ w["w2"]
 
 
@@ -81,15 +81,16 @@ def losses(mesh, specs):
     return shard_mapped(lambda x, params: lax.scan(
         lambda x, shard: (step(x, shard), None), x, params)[0])
 
-  gathered = lambda x, shard: mlp_layer(x, _gather(shard))
+  gathered = lambda x, shard: mlp_layer(_gather(shard), x)
   remat_gather = jax.checkpoint(_gather)
   nothing = jax.checkpoint_policies.nothing_saveable
   ours = lambda **kw: shard_mapped(
-      lambda x, params: fsdp_scan(mlp_layer, x, params, axis=AXIS, **kw))
+      lambda x, params: fsdp_scan(mlp_layer, x, params, axis=AXIS,
+                                  params_first=True, **kw))
   return {
       "(a) plain scan, gather saved": plain(gathered),
       "(b) plain scan, checkpoint(gather)": plain(
-          lambda x, s: mlp_layer(x, remat_gather(s))),
+          lambda x, s: mlp_layer(remat_gather(s), x)),
       "(c) plain scan, layer checkpointed, all but the gather saved": plain(
           jax.checkpoint(gathered, policy=_not_the_gather)),
       "(d) plain scan, layer checkpointed, nothing saved": plain(
@@ -134,7 +135,7 @@ def knob_figures(target_name: str, n_layers: int = 6, width: int = 256):
   import compilers  # noqa: PLC0415
   t = compilers.target(target_name)
 
-  def layer(x, p):
+  def layer(p, x):
     return jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
   spec = {"a": P(None, "x"), "b": P(None, "x")}
   w = compilers.arg(t, (n_layers, width, width), P(None, "x"))
@@ -142,7 +143,8 @@ def knob_figures(target_name: str, n_layers: int = 6, width: int = 256):
   out = {}
   for name, kw in KNOBS.items():
     def loss(x, ps, kw=kw):
-      return fsdp_scan(layer, x, ps, axis="x", **kw).sum()[None]
+      return fsdp_scan(layer, x, ps, axis="x", params_first=True,
+                       **kw).sum()[None]
     fwd = jax.shard_map(loss, mesh=t.mesh, in_specs=(P("x"), spec),
                         out_specs=P("x"))
     step = jax.value_and_grad(lambda x, ps: fwd(x, ps).sum(), argnums=1)

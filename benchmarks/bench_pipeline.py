@@ -77,7 +77,7 @@ def shift_loss(cfg, mesh, param_specs, m):
     # H100 compiler in HloCSE on a late-inlined constant.)
     full = jax.tree.map(
         lambda a: jax.lax.all_gather(a, pipeline.FSDP, axis=1, tiled=True), w)
-    return jax.lax.scan(lambda x, wl: (model.block(cfg)(x, wl), None), x, full)[0]
+    return jax.lax.scan(lambda x, wl: (model.block(cfg)(wl, x), None), x, full)[0]
 
   def body(params, tokens, targets):
     split = lambda a: a.reshape((m, -1) + a.shape[1:])

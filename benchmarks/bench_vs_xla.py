@@ -145,8 +145,8 @@ def _peeled_blocks(block, x, blocks):
 
   gather = lambda shard: jax.tree.map(
       lambda a: lax.all_gather(a, AXIS, axis=0, tiled=True), shard)
-  x = block(x, gather(jax.tree.map(lambda a: a[0], blocks)))
-  return lax.scan(lambda x, shard: (block(x, gather(shard)), None), x,
+  x = block(gather(jax.tree.map(lambda a: a[0], blocks)), x)
+  return lax.scan(lambda x, shard: (block(gather(shard), x), None), x,
                   jax.tree.map(lambda a: a[1:], blocks))[0]
 
 
@@ -166,7 +166,7 @@ def _pipeline_blocks(block, x, blocks):
   def step(x, w, w_next_shard):
     @program_order(enforce=False)
     def inner():
-      return block(x, w), gather(w_next_shard)
+      return block(w, x), gather(w_next_shard)
     return inner()
 
   pairs = (n - 1) // 2
@@ -183,7 +183,7 @@ def _pipeline_blocks(block, x, blocks):
   (x, w), _ = lax.scan(body, (x, w), rest)
   if (n - 1) % 2:
     x, w = program_order(enforce=True)(step)(x, w, layer(n - 1))
-  return block(x, w)
+  return block(w, x)
 
 
 def _xla_sharding_loss(cfg, mesh):
@@ -199,7 +199,7 @@ def _xla_sharding_loss(cfg, mesh):
 
   def scan_blocks(block, x, blocks):
     def body(x, w):
-      return lax.with_sharding_constraint(block(x, w), batch), None
+      return lax.with_sharding_constraint(block(w, x), batch), None
     return lax.scan(body, lax.with_sharding_constraint(x, batch), blocks)[0]
 
   def loss(params, tokens, targets):

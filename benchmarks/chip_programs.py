@@ -175,11 +175,11 @@ def train_loss(variant: str, mesh, specs):
     return training.losses_for(cfg, mesh, specs)[1]
   if variant == "jit, lax.scan":
     run = lambda block, x, blocks: lax.scan(
-        lambda x, w: (block(x, w), None), x, blocks)[0]
+        lambda x, w: (block(w, x), None), x, blocks)[0]
   elif variant == "jit, unrolled":
     def run(block, x, blocks):
       for i in range(jax.tree.leaves(blocks)[0].shape[0]):
-        x = block(x, jax.tree.map(lambda a: a[i], blocks))  # noqa: B023
+        x = block(jax.tree.map(lambda a: a[i], blocks), x)  # noqa: B023
       return x
   else:
     raise ValueError(f"unknown train-step variant {variant!r}; one of "
@@ -296,7 +296,8 @@ def pipeline_stage_tick():
 
   def stage(w, x):            # as pipelined_loss's stage, on stage 0's blocks
     w = jax.tree.map(lambda a: a[0], w)
-    return fsdp_scan(model.block(cfg), x, w, axis=pipeline.FSDP, shard_dims=1)
+    return fsdp_scan(model.block(cfg), x, w, axis=pipeline.FSDP, shard_dims=1,
+                     params_first=True)
 
   @jax.jit
   @jax.shard_map(mesh=mesh, in_specs=(block_specs, rows, rows),

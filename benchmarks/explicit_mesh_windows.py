@@ -46,11 +46,11 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
 
 
 def program(t, grad, width, layers=4):
-  def layer(x, p):
+  def layer(p, x):
     return jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
 
   def loss(x, ps):
-    return jax_overlap.fsdp_scan(layer, x, ps, axis="x").sum()
+    return jax_overlap.fsdp_scan(layer, x, ps, axis="x", params_first=True).sum()
   f = jax.value_and_grad(loss, argnums=1) if grad else loss
   w = arg(t, (layers, width, width), P(None, "x"))
   return f, (arg(t, (4 * width, width), P("x")), {"a": w, "b": w})

@@ -33,8 +33,9 @@ from jax_overlap import fsdp_scan  # noqa: E402
 VOCAB, CLASSES, D, H, BATCH = 64, 8, 32, 128, 64
 
 
-def layer(x, w):
-  """One residual MLP block: what fsdp_scan runs once per layer."""
+def layer(w, x):
+  """One residual MLP block: what fsdp_scan runs once per layer, given
+  that layer's weights, then x."""
   return x + jnp.tanh(x @ w["w_in"] + w["b_in"]) @ w["w_out"]
 
 
@@ -74,7 +75,8 @@ def main():
     loss = fsdp_scan(   # params["blocks"]: this device's shards
         layer, tokens, params["blocks"], axis="d",
         before=lambda tokens: params["embed"][tokens],
-        after=lambda h: cross_entropy(h @ params["head"], labels))
+        after=lambda h: cross_entropy(h @ params["head"], labels),
+        params_first=True)
     return jax.lax.pmean(loss, "d")
 
   opt = optax.adamw(3e-3, weight_decay=1e-4)
@@ -82,7 +84,7 @@ def main():
   @jax.jit
   def train_step(params, opt_state, key):
     tokens = jax.random.randint(key, (BATCH,), 0, VOCAB)
-    h = jax.lax.scan(lambda h, w: (layer(h, w), None),
+    h = jax.lax.scan(lambda h, w: (layer(w, h), None),
                      teacher["embed"][tokens], teacher["blocks"])[0]
     labels = jnp.argmax(h @ teacher["head"], axis=-1)
     loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels)

@@ -18,7 +18,7 @@ same parameters inside one `jax.shard_map` over a mesh whose axes say how:
   block's projections are `all_gather_matmul` / `matmul_reduce_scatter` rings
   (Megatron's sequence parallelism, the communication hidden behind the
   matmuls); with `tensor="psum"` the activations are whole and each block ends
-  in a `psum` (Megatron's first form);
+  in a sum (Megatron's first form), `matmul_psum` in chunks of the sequence;
 - `cp` (context parallel): the sequence split in the zigzag layout, attention
   by `ring_attention` (causal);
 - `ep` (expert parallel): the experts spread over it, `expert_parallel` sends
@@ -320,7 +320,14 @@ class Plan:
                 row=lambda a, w: jax_overlap.matmul_reduce_scatter(
                     a, w, "tp", scatter_dimension=1))
     elif "tp" in self.axes:
-      kw.update(row=lambda a, w: lax.psum(a @ w, "tp"))
+      # psum(a @ w) with the rows in 2 chunks, each chunk's sum in flight
+      # behind the next chunk's matmul. In a stage the residual stream
+      # varies over 'tp' (pipeline_loss's activations vary over every input
+      # axis), so the sum is typed varying too and its gradient's sum is
+      # matmul_psum's, chunked the same way (not a psum jax adds after it).
+      to = "varying" if "pp" in self.axes else "invarying"
+      kw.update(row=lambda a, w: jax_overlap.matmul_psum(
+          a, w, "tp", chunks=2, dimension=1, to=to))
     if "cp" in self.axes:
       cp = self.axes["cp"]
 
@@ -354,14 +361,15 @@ class Plan:
 
   def _body(self, params, tokens, targets):
     par = self.parallel()
-    layer = lambda x, w: block(x, w, par)
+    layer = lambda w, x: block(x, w, par)     # the params first, as fsdp_scan's
     blocks = params["blocks"]
 
     def stage(w, x):    # w: this stage's blocks, [layers / pp, ...] (local parts)
       if "fsdp" in self.axes:
         return jax_overlap.fsdp_scan(layer, x, w, axis="fsdp",
-                                     shard_dims=self._shard_dims(w))
-      return lax.scan(lambda x, wi: (layer(x, wi), None), x, w)[0]
+                                     shard_dims=self._shard_dims(w),
+                                     params_first=True)
+      return lax.scan(lambda x, wi: (layer(wi, x), None), x, w)[0]
 
     last = lambda y, t: head_loss(params, y, t)
     if "pp" in self.axes:

@@ -33,6 +33,7 @@ from jax_overlap import errors as errors
 # Overlap patterns, built on the public names above.
 from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all_gather_matmul
 from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
+from jax_overlap._src.patterns.matmul_psum import matmul_psum as matmul_psum
 from jax_overlap._src.patterns.moe.expert_parallel import expert_parallel as expert_parallel
 from jax_overlap._src.patterns.attention.layout import from_layout as from_layout
 from jax_overlap._src.patterns.attention.layout import to_layout as to_layout
@@ -69,6 +70,7 @@ __all__ = [
     # Overlap patterns.
     "all_gather_matmul",
     "expert_parallel",
+    "matmul_psum",
     "matmul_reduce_scatter",
     "PipelinePlan",
     "pipeline_loss",

@@ -1,7 +1,7 @@
 """`all_gather_start` / `psum_scatter_start` as collective-permutes
 (collectives/permute_forms.py: their form on TPU v5p), checked on CPU.
 
-The forms are forced on CPU (`permute_forms.FORCE`) and compared with
+The forms are forced on CPU (`permute_forms.forced()`) and compared with
 `jax.lax` over `shard_map` on 8 devices: values (exact: small integers, so
 every order of the sum gives the same value) and gradients, inside and
 outside `program_order`, a future that crosses an ordered block's boundary,
@@ -24,8 +24,9 @@ AXIS = "i"
 
 
 @pytest.fixture
-def forced(monkeypatch):
-  monkeypatch.setattr(permute_forms, "FORCE", True)
+def forced():
+  with permute_forms.forced():
+    yield
 
 
 # name -> (future, jax.lax reference, global shape of x)
@@ -170,7 +171,7 @@ def test_never_finished_is_said_as_the_collective(mesh8, forced):
 
 
 def test_no_permute_form_off_tpu(mesh8):
-  # Without FORCE, a CPU trace takes the plain collective.
+  # Not forced, a CPU trace takes the plain collective.
   start, _, shape = CASES["all_gather_tiled_0"]
   closed = jax.make_jaxpr(_program(mesh8, lambda v: start(v).done(), True))(
       _x(shape))

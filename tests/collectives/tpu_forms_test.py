@@ -3,7 +3,7 @@
 On TPU, `psum_scatter_start`, `psum_start`, `all_to_all_start` (and on v5p
 `all_gather_start`) are built from a rank-3 all-to-all, with a sum or a
 reshape at `done()`, because that is what libtpu makes async. Here the forms
-are forced on CPU (`tpu_forms.FORCE`) and compared with `jax.lax` over
+are forced on CPU (`tpu_forms.forced()`) and compared with `jax.lax` over
 `shard_map` on 8 devices: values (exact: the inputs are small integers, so
 every order of the sum gives the same value), gradients, inside and outside
 `program_order`, under vmap, and the synchronous stand-in that a second future
@@ -26,8 +26,9 @@ AXIS = "i"
 
 
 @pytest.fixture
-def forced(monkeypatch):
-  monkeypatch.setattr(tpu_forms, "FORCE", True)
+def forced():
+  with tpu_forms.forced():
+    yield
 
 
 #: psum_start's ring where all_gather_start is permutes
@@ -39,11 +40,11 @@ PERMUTE_GATHERS = {"v5p": lambda name: True,
 
 @pytest.fixture(params=sorted(PERMUTE_GATHERS))
 def forced_permutes(request, monkeypatch):
-  monkeypatch.setattr(tpu_forms, "FORCE", True)
   wanted = PERMUTE_GATHERS[request.param]
   monkeypatch.setattr(permute_forms, "wanted",
                       lambda name: name in permute_forms.COLLECTIVES and wanted(name))
-  return request.param
+  with tpu_forms.forced():
+    yield request.param
 
 
 # name -> (future, jax.lax reference, global shape of x)
@@ -188,7 +189,7 @@ def test_tpu_form_under_vmap(mesh8, forced):
 
 
 def test_no_form_off_tpu(mesh8):
-  # Without FORCE, a CPU trace takes the plain collective.
+  # Not forced, a CPU trace takes the plain collective.
   start, _, shape = CASES["psum_scatter_d0"]
   closed = jax.make_jaxpr(_program(mesh8, lambda v: start(v).done(), True))(
       _x(shape))

@@ -235,6 +235,16 @@ ENTRY %main {{
   assert flops == 137438953472
   assert nbytes == 2 * 8192 * 1024 * 2 + 8192 * 1024 * 4
   assert shape_costs(entry.by_name["other"], entry, module)[0] == 0
+  # Its flops are class 'kernel', timed at the profile's kernel rate (the
+  # v5e's measured one, below its bf16 matmuls'), not as a bf16 dot.
+  from jax_overlap._src.inspection.model.cost_model import matmul_flops
+  from jax_overlap._src.inspection.model.hardware import HardwareProfile
+  assert matmul_flops(entry.by_name["kernel"], entry, module) == {
+      "kernel": 137438953472}
+  v5e = HardwareProfile.named("tpu-v5e")
+  assert v5e.matmul_rate("kernel") < 0.8 * v5e.matmul_rate("bf16")
+  assert HardwareProfile.named("h100").matmul_rate("kernel") == \
+      HardwareProfile.named("h100").peak_tflops    # not measured there
 
 
 # --- the modelled timeline ------------------------------------------------------

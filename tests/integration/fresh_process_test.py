@@ -122,7 +122,8 @@ def test_table_lists_every_entry_point():
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
              "ragged_all_to_all_start", "fsdp_scan", "fsdp_plan",
              "all_gather_matmul",
-             "matmul_reduce_scatter", "expert_parallel", "overlap_report",
+             "matmul_reduce_scatter", "matmul_psum", "expert_parallel",
+             "overlap_report",
              "measure", "pipeline_loss", "pipeline_stage_layout",
              "pipeline_schedule", "ring_attention", "ulysses_attention",
              "to_layout", "from_layout"}

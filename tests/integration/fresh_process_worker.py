@@ -245,6 +245,25 @@ def _collective_matmul(name):
   return run
 
 
+def _matmul_psum(context, mesh, checks):
+  # Megatron's row-parallel matmul: the contracted dimension over the axis,
+  # its sum added to a residual that varies over it (to="varying").
+  x, w, r = _x((16, 64), 1), _x((64, 8), 2), _x((8 * 16, 8), 3)
+  in_specs = (P(None, AXIS), P(AXIS), P(AXIS))
+
+  def body(sum_of):
+    return lambda x, w, r: jax.lax.pmean(jnp.sum(jnp.sin(r + sum_of(x, w))), AXIS)
+  ours = body(lambda x, w: jo.matmul_psum(x, w, AXIS, to="varying"))
+  plain = body(lambda x, w: jax.lax.pcast(lax.psum(x @ w, AXIS), AXIS, to="varying"))
+  with _context(context, mesh):
+    args = [_put(mesh, a, s) for a, s in zip((x, w, r), in_specs)]
+    fns = [_shard_map(context, mesh, g, in_specs=in_specs, out_specs=P())
+           for g in (ours, plain)]
+    results = [jax.jit(jax.value_and_grad(f, (0, 1, 2)))(*args)
+               for f in fns]                          # ours first
+  _close("value and grads", results[0], results[1], checks, rtol=1e-4)
+
+
 def _expert_parallel(context, mesh, checks):
   # One expert a device, 4 tokens each, k = 2, dropless; the reference is
   # every (token, choice) through its expert gathered by hand.
@@ -439,6 +458,7 @@ ENTRIES = {
     "all_gather_matmul": (_collective_matmul("all_gather_matmul"), CONTEXTS),
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),
+    "matmul_psum": (_matmul_psum, CONTEXTS),
     "expert_parallel": (_expert_parallel, CONTEXTS),
     "pipeline_loss": (_pipeline_loss, CONTEXTS),
     "pipeline_schedule": (_pipeline_schedule, CONTEXTS),

@@ -286,8 +286,15 @@ MISUSES = [
      r"must be operand's \(float32\)"),
     # --- fsdp_scan -------------------------------------------------------------------
     ("fsdp-layer", "fsdp_scan(layer=42)",
-     lambda: jo.fsdp_scan(42, X, {"w": jnp.ones((2, 4, 4))}, axis="i"),
-     TypeError, r"fsdp_scan\(layer=\.\.\.\) must be a function"),
+     lambda: jo.fsdp_scan(42, X, {"w": jnp.ones((2, 4, 4))}, axis="i",
+                          params_first=True),
+     TypeError, r"fsdp_scan\(layer=\.\.\.\) must be a function "
+     r"layer\(params\[i\], x\) -> x, got 42"),
+    ("fsdp-params-first", "params_first='yes'",
+     lambda: jo.fsdp_scan(lambda w, x: x, X, {"w": jnp.ones((2, 4, 4))},
+                          axis="i", params_first="yes"),
+     TypeError, r"fsdp_scan\(params_first=\.\.\.\) must be True or False, "
+     r"got 'yes'"),
     ("fsdp-no-layer-dim", "a parameter with no layer dimension",
      lambda: jo.fsdp_scan(lambda x, w: x, X, {"w": jnp.ones((4,))}, axis="i"),
      ValueError, r"leaf \['w'\] has shape \(4,\); every leaf needs a leading layer"),
@@ -317,10 +324,12 @@ MISUSES = [
      r"jax\.checkpoint_policies\.nothing_saveable"),
     ("fsdp-unstacked", "one layer's weights, not stacked over layers",
      lambda: smap(lambda x, w: jo.fsdp_scan(
-         lambda x, w: jnp.einsum("bi,io->bo", x, w), x, w, axis="i"),
+         lambda w, x: jnp.einsum("bi,io->bo", x, w), x, w, axis="i",
+         params_first=True),
          in_specs=(P("i"), P(None, "i")))(X, jnp.ones((4, 4))),
      ValueError, r"fsdp_scan\(layer=\.\.\., params=\.\.\.\): the layer fails on x "
-     r"and one layer's weights .*\(4 layers here\) .*params\[i\]: \. float32\[4\].*"
+     r"and one layer's weights .*\(4 layers here\) and calls "
+     r"layer\(params\[i\], x\) .*params\[i\]: \. float32\[4\].*"
      r"stack them with a leading layer dimension"),
     ("fsdp-layer-output", "a layer whose output dtype differs from its input",
      lambda: smap(lambda x, w: jo.fsdp_scan(

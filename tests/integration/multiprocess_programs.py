@@ -158,13 +158,14 @@ def run_all() -> dict[str, np.ndarray]:
   return results
 
 
-def run_llama_4d() -> dict[str, np.ndarray]:
-  """examples/llama_4d.py's pp x fsdp x tp plan on the 8 devices in mesh
-  order, so that across two processes 'pp' splits them (stage 0 on process
-  0's devices): its loss and every gradient, by leaf path."""
+def run_llama_4d(plan_name: str = "pp_fsdp_tp") -> dict[str, np.ndarray]:
+  """examples/llama_4d.py's plan `plan_name` (pp x fsdp x tp) on the 8
+  devices in mesh order, so that across two processes 'pp' splits them
+  (stage 0 on process 0's devices): its loss and every gradient, by leaf
+  path."""
   sys.path.insert(0, str(EXAMPLES))
   import llama_4d  # noqa: PLC0415
-  plan = llama_4d.PLANS["pp_fsdp_tp"]
+  plan = llama_4d.PLANS[plan_name]
   mesh = plan.mesh
   if jax.process_count() == 2:
     owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
@@ -182,3 +183,8 @@ def run_llama_4d() -> dict[str, np.ndarray]:
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
     out["llama_4d/grad" + jax.tree_util.keystr(path)] = _to_host(g)
   return out
+
+
+def run_llama_4d_psum() -> dict[str, np.ndarray]:
+  """`run_llama_4d` of the pp x dp x tp plan (matmul_psum over 'tp')."""
+  return run_llama_4d("pp_dp_tp")

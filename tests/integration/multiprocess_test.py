@@ -92,21 +92,27 @@ def test_two_processes_equal_one(name, two_process_results, one_process_results)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5 * (np.abs(want).max() or 1))
 
 
-@pytest.fixture(scope="module")
-def llama_4d_two_processes(tmp_path_factory):
+#: plan -> the multiprocess_programs function that runs it
+LLAMA_PROGRAMS = {"pp_fsdp_tp": "run_llama_4d", "pp_dp_tp": "run_llama_4d_psum"}
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMA_PROGRAMS))
+def llama_4d_two_processes(request, tmp_path_factory):
   out = tmp_path_factory.mktemp("multiprocess_llama") / "results.npz"
-  _run_two_processes(out, "run_llama_4d")
+  _run_two_processes(out, LLAMA_PROGRAMS[request.param])
   with np.load(out) as data:
-    return dict(data)
+    return request.param, dict(data)
 
 
-# examples/llama_4d.py's pp x fsdp x tp plan with 'pp' across the two processes
-# (its stage sends cross them; fsdp's gathers and tp's rings stay in one).
+# examples/llama_4d.py's pp x fsdp x tp and pp x dp x tp plans with 'pp' across
+# the two processes (their stage sends cross them; fsdp's gathers, tp's rings
+# and matmul_psum's sums stay in one).
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_llama_4d_across_two_processes_equals_one(llama_4d_two_processes):
-  want = multiprocess_programs.run_llama_4d()
-  assert sorted(llama_4d_two_processes) == sorted(want)
+  plan_name, got_all = llama_4d_two_processes
+  want = multiprocess_programs.run_llama_4d(plan_name)
+  assert sorted(got_all) == sorted(want)
   assert len(want) == 1 + 12                      # the loss and every leaf's gradient
-  for name, got in llama_4d_two_processes.items():
+  for name, got in got_all.items():
     np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6, err_msg=name)

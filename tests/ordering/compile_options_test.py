@@ -26,6 +26,14 @@ def _mesh():
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
+@pytest.fixture
+def tpu_forms_forced():
+  """Traces choose the TPU forms on CPU too (collectives/tpu_forms.py)."""
+  from jax_overlap._src.collectives import tpu_forms  # noqa: PLC0415
+  with tpu_forms.forced():
+    yield
+
+
 def _lowered(body, platform, *args):
   f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P("i")))
   return f.trace(*args).lower(lowering_platforms=(platform,))
@@ -244,13 +252,13 @@ def _form_windows(module) -> list[list[str]]:
 
 
 @needs_split_pairs
-def test_tpu_module_refused_for_two_all_to_alls_is_rewritten_once(monkeypatch):
+def test_tpu_module_refused_for_two_all_to_alls_is_rewritten_once(monkeypatch,
+                                                                 tpu_forms_forced):
   # libtpu refuses some schedules with two async all-to-alls in flight
   # ('kExceedsOverlapLimit'); only then are the forms finished where they
   # start, with a warning, and the module compiled again (tests/aot/ has
   # the real refusal).
   from jax_overlap._src.collectives import tpu_forms
-  monkeypatch.setattr(tpu_forms, "FORCE", True)
   monkeypatch.setattr(not_async, "_warned", set())
   module = _lowered(_two_forms_in_turn, "tpu", jnp.ones((32, 4))).compiler_ir()
   before = _form_windows(module)
@@ -266,8 +274,8 @@ def test_tpu_module_refused_for_two_all_to_alls_is_rewritten_once(monkeypatch):
     assert compile_options._finish_forms_when_refused(module, "tpu", _REFUSAL)
   assert _form_windows(module) == [[], []]
   # A module without forms (e.g. a plain gather's) has nothing to rewrite.
-  monkeypatch.setattr(tpu_forms, "FORCE", False)
-  gathers = _lowered(_two_gathers, "tpu", jnp.ones(8)).compiler_ir()
+  with tpu_forms.forced(False):
+    gathers = _lowered(_two_gathers, "tpu", jnp.ones(8)).compiler_ir()
   assert not compile_options._finish_forms_when_refused(gathers, "tpu", _REFUSAL)
 
 
@@ -333,12 +341,12 @@ def _form_starts(module):
 
 
 @needs_split_pairs
-def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch):
+def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch,
+                                                             tpu_forms_forced):
   # libtpu allows one async all-to-all in flight; untied, XLA may hoist the
   # next start above the previous done and libtpu refuses the module
   # (measured: fsdp_scan's backward over 4 layers, tests/aot/).
-  from jax_overlap._src.collectives import lowering, tpu_forms
-  monkeypatch.setattr(tpu_forms, "FORCE", True)
+  from jax_overlap._src.collectives import lowering
   monkeypatch.setattr(not_async, "_warned", set())
   # As where jax lowers each step of fsdp_scan's unrolled backward apart and
   # splices them together (then lowering's own tie sees no previous done in
@@ -393,7 +401,7 @@ def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
   assert compile_options._options_for(cpu, "cpu", {}) == {}
 
 
-@pytest.mark.skipif(not _compat.IN_FLIGHT_LEFT_UNFENCED,
+@pytest.mark.skipif(_compat.ASYNC_CUSTOM_CALLS,
                     reason="jax 0.12 lowers a future as its async pair, not "
                     "as the plain collective XLA places itself")
 def test_gpu_plain_futures_get_the_latency_hiding_scheduler_with_a_loop_or_psum():
@@ -425,7 +433,7 @@ def test_gpu_plain_futures_get_the_latency_hiding_scheduler_with_a_loop_or_psum(
   assert lhs not in compile_options._options_for(loop, "cpu", {})
 
 
-@pytest.mark.skipif(not _compat.IN_FLIGHT_LEFT_UNFENCED,
+@pytest.mark.skipif(_compat.ASYNC_CUSTOM_CALLS,
                     reason="jax 0.12 lowers a future as its async pair, not "
                     "as the plain collective XLA places itself")
 def test_gpu_modules_of_futures_only_get_the_sol_estimator_off():

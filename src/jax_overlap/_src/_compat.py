@@ -308,17 +308,15 @@ def _jax_async_collectives_use_custom_calls() -> bool:
   return hasattr(parallel, "_emit_async_start_custom_call")
 
 
-#: The async pair form this jax's XLA understands (see above).
-ASYNC_CUSTOM_CALLS = _jax_async_collectives_use_custom_calls()
-
-#: Without the custom-call pair, and on TPU/GPU (whose plugins refuse the
-#: async region, 'vhlo.async_start_v1'), a future's start is the plain
-#: collective, and an ordered block keeps its result out of the barriers
-#: until its done: XLA's own async conversion then splits it around the
-#: written work (collectives/lowering.py, ordering/barriers.py; pinned by
+#: The async pair form this jax's XLA understands (see above): the one name
+#: of this version difference. Where it is false, on TPU/GPU (whose plugins
+#: refuse the async region, 'vhlo.async_start_v1'), a future's start is the
+#: plain collective, and an ordered block keeps its result out of the
+#: barriers until its done: XLA's own async conversion then splits it around
+#: the written work (collectives/lowering.py, ordering/barriers.py; pinned by
 #: tests/aot/real_compilers_test.py::test_future_is_an_async_pair_around_the_matmul
 #: on the older jax).
-IN_FLIGHT_LEFT_UNFENCED = not ASYNC_CUSTOM_CALLS
+ASYNC_CUSTOM_CALLS = _jax_async_collectives_use_custom_calls()
 
 #: `jax.lax.all_gather(..., to='reduced')` exists.
 ALL_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
@@ -610,7 +608,7 @@ def invariant_over(aval, axis_name):
 # --- per-module compile options ---------------------------------------------------
 
 #: Marks the plain collective op of a future started on jax without the
-#: custom-call pair (`IN_FLIGHT_LEFT_UNFENCED`): XLA makes it async itself.
+#: custom-call pair (`ASYNC_CUSTOM_CALLS` false): XLA makes it async itself.
 IN_FLIGHT_ATTR = "jax_overlap.in_flight"
 _PLAIN_KIND = {
     "stablehlo.all_gather": "all-gather", "stablehlo.all_reduce": "all-reduce",

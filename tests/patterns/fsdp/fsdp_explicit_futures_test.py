@@ -126,11 +126,10 @@ def test_hsdp_gathers_are_futures_and_gradients_match():
 
 
 @pytest.mark.parametrize("name", ["default", "no-bucket"])
-def test_v5p_permute_futures_values_and_gradients(name, monkeypatch):
+def test_v5p_permute_futures_values_and_gradients(name):
   # On TPU v5p the futures are N-1 permutes each (permute_forms.py), started
   # in one shard_map and finished in another as the plain pairs are.
   from jax_overlap._src.collectives import permute_forms
-  monkeypatch.setattr(permute_forms, "FORCE", True)
   layer, kw, _ = SETTINGS[name]
   x, params = _inputs()
 
@@ -141,7 +140,7 @@ def test_v5p_permute_futures_values_and_gradients(name, monkeypatch):
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
   args = (put(x, P(AXIS)), jax.tree.map(put, params, _specs(params)))
   loss = lambda x, p: jnp.sum(jo.fsdp_scan(layer, x, p, axis=AXIS, **kw) ** 2)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), permute_forms.forced():
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     got = f(*args)
     starts = _starts(f.trace(*args).jaxpr)

@@ -24,10 +24,14 @@ from jax.sharding import PartitionSpec as P
 import jax_overlap as jo
 from jax_overlap._src.patterns.fsdp import engine
 from jax_overlap._src.patterns.fsdp.plan import plan
+from jax_overlap._src.patterns.fsdp.plan_steps import RUN_KINDS
 
 pytestmark = pytest.mark.newest_jax(older_jax=[
     "test_every_combination_is_planned_or_refused_by_name",
     "test_the_plan_prints_as_a_table",
+    "test_the_executor_runs_every_kind_of_run",
+    "test_unroll_is_planned",
+    "test_the_table_names_its_columns",
     "test_fsdp_scan_runs_the_plan_fsdp_plan_shows",
 ])
 
@@ -134,6 +138,60 @@ def _check(p, kw):
   assert len(text.splitlines()) >= len(p.steps) + 3
   if kw["split"] and not split:
     assert any("not split" in note for note in p.notes)
+  _check_runs(p, n, fold)
+
+
+_LAYER_RUNS = ("layers", "layers_back", "enter_split", "back_split")
+
+
+def _check_runs(p, n, fold):
+  """The executor's runs: each pass (and each split run's `otherwise`,
+  which replaces it and the runs after it) runs every layer once, in
+  order, by kinds the executor has, each run's fields as its steps say."""
+  kinds = {"forward": engine._FORWARD, "primal": engine._FORWARD,
+           "backward": engine._BACKWARD}
+  for name, want in (("forward", range(n)), ("primal", range(n)),
+                     ("backward", range(n - 1, -1, -1))):
+    runs = p.runs[name]
+    for runs in [runs] + [runs[:k] + r.otherwise
+                          for k, r in enumerate(runs) if r.otherwise]:
+      assert all(r.kind in kinds[name] for r in runs), runs
+      assert [s.layer for r in runs if r.kind in _LAYER_RUNS
+              for s in r.steps] == list(want), (name, runs)
+      assert runs[0].kind == ("leave_back" if name == "backward" else
+                              "enter" if not runs[0].otherwise else
+                              "enter_split")
+      assert runs[-1].kind in (("enter_back", "back_split")
+                               if name == "backward" else ("leave",))
+      for r in runs:
+        assert not r.loop or r.kind in ("layers", "layers_back")
+        assert not r.stacks or (r.loop and name == "forward")
+        assert r.clamp == (r.kind == "layers" and name == "forward" and fold)
+        for s in r.steps if r.kind in ("layers", "layers_back") else ():
+          if not (s.again and r.kind == "layers"):
+            assert tuple(g - s.layer for g in s.gathers) == r.gathers, (r, s)
+          if r.kind == "layers":
+            assert r.keep == (name == "forward" and s.keeps and not s.again)
+          else:
+            assert r.kept == (s.weights == "kept" and not s.again)
+            assert r.pending == (1 if s.again else (s.layer + 1 in s.scatters)
+                                 + (s.reduce is not None))
+
+
+def test_the_executor_runs_every_kind_of_run():
+  assert set(engine._FORWARD) | set(engine._BACKWARD) == set(RUN_KINDS)
+  assert not set(engine._FORWARD) & set(engine._BACKWARD)
+
+
+def test_unroll_is_planned():
+  # None: one layer an iteration, p with prefetch p; rounded up to a
+  # multiple of p (plan.loop_unroll); refused by name.
+  assert [jo.fsdp_plan(6, prefetch=p, unroll=u).unroll
+          for p, u in [(1, None), (2, None), (1, 3), (2, 3), (3, 4)]] == \
+      [1, 2, 3, 4, 6]
+  for bad in (0, True, 1.5):
+    with pytest.raises(ValueError, match=r"fsdp_scan\(unroll=\.\.\.\)"):
+      jo.fsdp_plan(4, unroll=bad)
 
 
 def test_every_combination_is_planned_or_refused_by_name():
@@ -160,10 +218,12 @@ def test_every_combination_is_planned_or_refused_by_name():
       assert words in str(info.value), (name, value, str(info.value))
 
 
-def test_the_plan_prints_as_a_table():
-  p = jo.fsdp_plan(3, before=lambda t: t, after=lambda y: y)
-  assert str(p) == """\
-fsdp_scan plan: 3 layers, prefetch=1, 1 kept for the backward pass, futures inside jax.shard_map
+#: Printed plans, pinned: the default schedule with both ends (layer 0
+#: split by use, the last layer's steps in the loops), a fenced one
+#: (prefetch 2, every layer regathered, one collective a leaf) and HSDP.
+PRINTED = {
+    "default-ends": (dict(before=lambda t: t, after=lambda y: y), """\
+fsdp_scan plan: 3 layers, prefetch=1, 1 kept for the backward pass, unroll=1, futures inside jax.shard_map
 pass      #  computes                                                   gathers  reduce-scatters  all-reduces  weights   keeps  loop
 --------  -  ---------------------------------------------------------  -------  ---------------  -----------  --------  -----  ----
 forward   0  before(x), then layer 0 [split by use]                     0, 1     -                -            gathered  -      -
@@ -174,10 +234,73 @@ backward  0  after's backward                                           -       
 backward  1  layer 2's backward                                         1        zeros            -            kept      -      yes
 backward  2  layer 1's backward                                         0        2                -            gathered  -      yes
 backward  3  layer 0's backward, then before's backward [split by use]  -        1, 0             -            gathered  -      -
+runs (primal: without a gradient):
+  forward: enter_split 0 | layers 1-2 (one loop; gathers +1; gathers clamped to the last layer; residuals into carried stacks) | leave 3 (keeps the last layer's copy gathered again)
+    one group: enter 0 | layers 0-2 (one loop; gathers +1; gathers clamped to the last layer; residuals into carried stacks) | leave 3 (keeps the last layer's copy gathered again)
+  primal: enter_split 0 | layers 1 (one loop; gathers +1) | layers 2 | leave 3
+    one group: enter 0 | layers 0-1 (one loop; gathers +1) | layers 2 | leave 3
+  backward: leave_back 0 | layers_back 1-2 (one loop; gathers -1; first from the copy gathered again, a zero gradient pending; finishes the step before's reduce-scatter) | back_split 3
+    one group: layers_back 3 (finishes the step before's reduce-scatter) | enter_back 3
 notes:
   - layer 0's gathers and its gradient's reduce-scatters travel in groups by first use, where the traced layer gives two or more groups; else as one transfer.
   - bucket: each transfer moves all of a layer's sharded leaves of one dtype in one collective.
-  - layer 2 runs in the loops: its forward step gathers it again (the copy the backward pass keeps), its backward step reduce-scatters a zero gradient (one copy of the layer a pass in the compiled program)."""
+  - layer 2 runs in the loops: its forward step gathers it again (the copy the backward pass keeps), its backward step reduce-scatters a zero gradient (one copy of the layer a pass in the compiled program)."""),
+    "fenced": (dict(prefetch=2, reshard_after_forward=True, bucket=False), """\
+fsdp_scan plan: 3 layers, prefetch=2, 0 kept for the backward pass, unroll=2, futures inside jax.shard_map
+pass      #  computes                       gathers  reduce-scatters  all-reduces  weights   keeps  loop
+--------  -  -----------------------------  -------  ---------------  -----------  --------  -----  ----
+forward   0  (nothing: waited for at once)  0        -                -            -         -      -
+forward   1  layer 0                        1, 2     -                -            gathered  -      -
+forward   2  layer 1                        -        -                -            gathered  -      -
+forward   3  layer 2                        -        -                -            gathered  -      -
+backward  0  (nothing: waited for at once)  2        -                -            -         -      -
+backward  1  layer 2's backward             1, 0     -                -            gathered  -      -
+backward  2  layer 1's backward             -        2                -            gathered  -      -
+backward  3  layer 0's backward             -        1                -            gathered  -      -
+backward  4  (nothing: waited for at once)  -        0                -            -         -      -
+runs (primal: without a gradient):
+  forward: enter 0 | layers 1 (gathers +1, +2) | layers 2 | layers 3 | leave
+  primal: enter 0 | layers 1 (gathers +1, +2) | layers 2 | layers 3 | leave
+  backward: leave_back 0 (gathers 2) | layers_back 1 (gathers -1, -2) | layers_back 2 (finishes the step before's reduce-scatter) | layers_back 3 (finishes the step before's reduce-scatter) | enter_back 4
+notes:
+  - layer 0 is not split by use order: planned with prefetch=1 and reshard_after_forward True or 1 only (the schedule measured on the real compilers).
+  - bucket=False: one collective per sharded leaf.
+  - each layer step's inputs are fenced before it starts (this schedule holds several gathered layers)."""),
+    "hsdp-after": (dict(replica_axis="r", after=True), """\
+fsdp_scan plan: 3 layers, prefetch=1, 1 kept for the backward pass, unroll=1, futures inside jax.shard_map, HSDP
+pass      #  computes                       gathers  reduce-scatters  all-reduces  weights   keeps  loop
+--------  -  -----------------------------  -------  ---------------  -----------  --------  -----  ----
+forward   0  layer 0 [split by use]         0, 1     -                -            gathered  -      -
+forward   1  layer 1                        2        -                -            gathered  -      yes
+forward   2  layer 2                        -        -                -            gathered  yes    -
+forward   3  after(y)                       -        -                -            -         -      -
+backward  0  after's backward               -        -                -            -         -      -
+backward  1  layer 2's backward             1        -                -            kept      -      -
+backward  2  layer 1's backward             0        2                -            gathered  -      -
+backward  3  layer 0's backward             -        1                2            gathered  -      -
+backward  4  (nothing: waited for at once)  -        -                1            -         -      -
+backward  5  (nothing: waited for at once)  -        0                0            -         -      -
+runs (primal: without a gradient):
+  forward: enter_split 0 | layers 1 (one loop; gathers +1; residuals into carried stacks) | layers 2 (keeps its weights) | leave 3
+    one group: enter 0 | layers 0-1 (one loop; gathers +1; residuals into carried stacks) | layers 2 (keeps its weights) | leave 3
+  primal: enter_split 0 | layers 1 (one loop; gathers +1) | layers 2 | leave 3
+    one group: enter 0 | layers 0-1 (one loop; gathers +1) | layers 2 | leave 3
+  backward: leave_back 0 | layers_back 1 (gathers -1; kept weights) | layers_back 2 (gathers -1; finishes the step before's reduce-scatter) | layers_back 3 (finishes the step before's reduce-scatter and all-reduce) | reduce 4 | enter_back 5
+notes:
+  - layer 0's gathers travel in groups by first use, where the traced layer gives two or more groups; else as one transfer.
+  - with HSDP layer 0's gradient travels as one reduce-scatter, then one all-reduce (not split).
+  - HSDP: each layer's gradient is reduce-scattered over the fsdp axis, then all-reduced over the replicas one step later.
+  - bucket: each transfer moves all of a layer's sharded leaves of one dtype in one collective."""),
+}
+
+
+@pytest.mark.parametrize("name", list(PRINTED))
+def test_the_plan_prints_as_a_table(name):
+  kw, text = PRINTED[name]
+  assert str(jo.fsdp_plan(3, **kw)) == text
+
+
+def test_the_table_names_its_columns():
   hsdp = jo.fsdp_plan(4, prefetch=2, reshard_after_forward=2,
                       replica_axis="r")
   rows = hsdp.table().splitlines()

@@ -44,7 +44,7 @@ PROGRAM = textwrap.dedent(f"""
     params = model.init(cfg, jax.random.PRNGKey(0))
     specs = model.specs(params, "d")
     run = lambda block, x, blocks: fsdp_scan(block, x, blocks, axis="d",
-                                             unroll=2)
+                                             unroll=2, params_first=True)
 
     @jax.shard_map(mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=P())
     def loss(params, tokens, targets):

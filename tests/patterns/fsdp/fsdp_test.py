@@ -413,7 +413,7 @@ def _call(fn, params, **kwargs):
 
 @pytest.mark.parametrize("kwargs, params, error, message", [
     (dict(layer=42), {"w": jnp.ones((2, D, D))}, TypeError,
-     r"fsdp_scan\(layer=...\) must be a function layer\(x, layer_params\)"),
+     r"fsdp_scan\(layer=...\) must be a function layer\(x, params\[i\]\)"),
     (dict(unroll=0), {"w": jnp.ones((2, D, D))}, ValueError,
      r"unroll=...\) must be an int >= 1 or None, got 0"),
     (dict(), {"w": jnp.ones((D,))}, ValueError,

@@ -62,7 +62,8 @@ def _along_major(name, x, params):
   """The plain future of collective `name` on `x` along its axis 0, by the
   public start itself (major_dim.py: `params` already say axis 0)."""
   start = {"all_gather": all_gather_start, "psum_scatter": psum_scatter_start,
-           "all_to_all": all_to_all_start, "ppermute": ppermute_start}[name]
+           "all_to_all": all_to_all_start, "ppermute": ppermute_start,
+           "psum": psum_start}[name]
   keywords = {k: v for k, v in params.items()
               if k != "axis_name" and v is not None}
   return start(x, params["axis_name"], **keywords)

@@ -12,7 +12,7 @@ collective op it produces into an async pair:
   or rejects the pair when an optimization_barrier separates its halves, and
   it makes every collective blocking anyway; this way barriers only ever see
   finished values.
-* GPU/TPU on jax without the custom-call form (`_compat.IN_FLIGHT_LEFT_UNFENCED`;
+* GPU/TPU on jax without the custom-call form (`not _compat.ASYNC_CUSTOM_CALLS`;
   the plugins refuse the async region, 'vhlo.async_start_v1'): the start
   emits the plain collective, marked `_compat.IN_FLIGHT_ATTR`, and the done
   is the identity; an ordered block keeps the start's result out of its
@@ -133,7 +133,7 @@ def leaves_in_flight(platforms) -> bool:
   """Whether a future lowered for `platforms` is its plain collective, left
   in flight up to its done (the module docstring): jax without the
   custom-call pair, compiling for TPU or GPU only."""
-  if not _compat.IN_FLIGHT_LEFT_UNFENCED or not platforms or "cpu" in platforms:
+  if _compat.ASYNC_CUSTOM_CALLS or not platforms or "cpu" in platforms:
     return False
   return any(quirks.applies("gpu-plain-future", p) or
              quirks.applies("tpu-plain-future", p) for p in platforms)

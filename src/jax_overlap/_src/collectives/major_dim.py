@@ -36,7 +36,9 @@ tests/aot/major_dim_compiled_test.py.
 On GPU (quirk "gpu-flat-permute") a permute of a rank >= 2 operand is sent
 flat for the same reason: given a non-default layout, the H100 compiler's
 layout normalization refuses the async computation
-(tests/aot/pipeline_compiled_test.py's lockstep ring case).
+(tests/aot/pipeline_compiled_test.py's lockstep ring case); so is the
+operand of a psum (quirk "gpu-flat-all-reduce": a matmul's result, in
+`matmul_psum`; tests/aot/matmul_psum_compiled_test.py).
 """
 
 from __future__ import annotations
@@ -140,10 +142,10 @@ def _all_to_all(params, x):
 def _ppermute(params, x):
   """On GPU (quirk "gpu-flat-permute") a rank >= 2 operand travels as one
   flat buffer; elsewhere as it is. Only where the future is an async region:
-  on jax without it (`_compat.IN_FLIGHT_LEFT_UNFENCED`) the plain permute
+  on jax without it (`not _compat.ASYNC_CUSTOM_CALLS`) the plain permute
   holds no layout bitcasts and compiles as it is (jax 0.10.2 and 0.11.0,
   tests/aot/pipeline_compiled_test.py's lockstep case)."""
-  if x.ndim < 2 or _compat.IN_FLIGHT_LEFT_UNFENCED:
+  if x.ndim < 2 or not _compat.ASYNC_CUSTOM_CALLS:
     return None
   platform, kind = _compat.trace_device()
   if not quirks.applies("gpu-flat-permute", platform, kind):
@@ -152,5 +154,18 @@ def _ppermute(params, x):
   return x.reshape(-1), {}, lambda y: y.reshape(shape)
 
 
+def _psum(params, x):
+  """On GPU (quirk "gpu-flat-all-reduce") a rank >= 2 operand is summed as
+  one flat buffer, as `_ppermute` sends one, for the same reason (the
+  operand a matmul's result: `matmul_psum`); elsewhere as it is."""
+  if x.ndim < 2 or _compat.IN_FLIGHT_LEFT_UNFENCED:
+    return None
+  platform, kind = _compat.trace_device()
+  if not quirks.applies("gpu-flat-all-reduce", platform, kind):
+    return None
+  shape = x.shape
+  return x.reshape(-1), {}, lambda y: y.reshape(shape)
+
+
 _PLANS = {"all_gather": _all_gather, "psum_scatter": _psum_scatter,
-          "all_to_all": _all_to_all, "ppermute": _ppermute}
+          "all_to_all": _all_to_all, "ppermute": _ppermute, "psum": _psum}

@@ -24,7 +24,7 @@ flight while the code written before `done()` runs. The future is a
 does with a ppermute (autodiff, vmap, program_order, the compile options)
 holds for its parts. Values match `jax.lax` up to the order of the sum
 (each chunk is summed on one device only, so no two devices can disagree):
-tests/collectives/permute_forms_test.py checks values and gradients on CPU with `FORCE`.
+tests/collectives/permute_forms_test.py checks values and gradients on CPU with `forced()`.
 
 On v5e with jax < 0.12 (quirks.py, "tpu-plain-permute-gathers") the
 all-gather future is otherwise its plain collective (collectives/lowering.py),
@@ -44,6 +44,7 @@ that XLA's CSE keeps them apart (collectives/lowering.py;
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -71,8 +72,30 @@ traceback_util.register_exclusion(__file__)
 KINDS = quirks.kinds("tpu-permute-forms")
 COLLECTIVES = ("all_gather", "psum_scatter")
 
-#: Test hook: choose the forms on every platform (values are checked on CPU).
-FORCE = False
+_forced = False
+
+
+@contextlib.contextmanager
+def forced(on: bool = True):
+  """Within it, traces choose the forms on every platform (`on`), or by the
+  device as outside it (`on=False`): how their values are checked on CPU.
+
+  >>> with forced():
+  ...   assert is_forced()
+  >>> is_forced()
+  False
+  """
+  global _forced
+  before, _forced = _forced, on
+  try:
+    yield
+  finally:
+    _forced = before
+
+
+def is_forced() -> bool:
+  """Whether traces choose the forms on every platform (`forced`)."""
+  return _forced
 
 
 def wanted(name: str) -> bool:
@@ -80,10 +103,10 @@ def wanted(name: str) -> bool:
   (quirks "tpu-permute-forms", "tpu-plain-permute-gathers")."""
   if name not in COLLECTIVES:
     return False
-  if FORCE:
+  if _forced:
     return True
   platform, kind = _compat.trace_device()
-  if name == "all_gather" and _compat.IN_FLIGHT_LEFT_UNFENCED and \
+  if name == "all_gather" and not _compat.ASYNC_CUSTOM_CALLS and \
       quirks.applies("tpu-plain-permute-gathers", platform, kind):
     return True
   return quirks.applies("tpu-permute-forms", platform, kind)
@@ -156,7 +179,7 @@ def compose(name: str, params: dict, x, where: str, *, invariant=False,
   if bound is None:
     return None
   axis, n = bound
-  if not FORCE and axis not in _mesh_axes():
+  if not _forced and axis not in _mesh_axes():
     return None   # a vmap axis: the plain future
   if n < 2 or x.size == 0:
     return None

@@ -33,7 +33,7 @@ tests/aot/fsdp_settings_compiled_test.py's HSDP replicas).
 Values: each chunk is summed on one device, so every device gets the same
 value; it matches `jax.lax.psum` up to the order of the sum
 (tests/collectives/tpu_forms_test.py checks values and gradients on CPU with
-`tpu_forms.FORCE`, the all-gather moved up or not, and as permutes).
+`tpu_forms.forced()`, the all-gather moved up or not, and as permutes).
 """
 
 from __future__ import annotations
@@ -72,18 +72,10 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
   start each), or None where `psum_start` keeps its own form: off TPU, a
   vmap axis, several or positional axes, a non-numeric dtype, or a buffer
   the ring would not send in fewer bytes."""
-  if not tpu_forms.wanted("psum"):
-    return None
-  bound = one_bound_axis(axis_name)
-  if bound is None:
-    return None
-  axis, n = bound
-  if not tpu_forms.FORCE and axis not in _mesh_axes():
-    return None   # a vmap axis: the plain future
   x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.number) or \
-      2 * -(-x.size // n) >= x.size:
-    return None   # the ring (padded) would send no fewer bytes than the copies
+  if not is_ring(x, axis_name):
+    return None
+  axis, n = one_bound_axis(axis_name)
   out_aval = jax.eval_shape(lambda v: jax.lax.psum(v, axis), x)
   flat = x.reshape(-1)
   padded = -(-flat.size // n) * n
@@ -92,6 +84,25 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
   part = scatter_start(flat, axis)
   combine = functools.partial(_gathered, axis, x.shape, gather_start)
   return ComposedFuture("psum", where, (), [part], combine, out_aval)
+
+
+def is_ring(x, axis_name) -> bool:
+  """Whether `psum_start(x, axis_name)` (`x`: an array, or anything with its
+  shape and dtype) here is this module's two halves
+  (a reduce-scatter, then an all-gather), each wanting compute in its own
+  window; not off TPU, over a vmap axis, several or positional axes, for a
+  non-numeric dtype, or for a buffer the ring would not send in fewer
+  bytes than the copies."""
+  if not tpu_forms.wanted("psum"):
+    return False
+  bound = one_bound_axis(axis_name)
+  if bound is None:
+    return False
+  axis, n = bound
+  if not tpu_forms.is_forced() and axis not in _mesh_axes():
+    return False   # a vmap axis: the plain future
+  size = math.prod(x.shape)
+  return bool(jnp.issubdtype(x.dtype, jnp.number)) and 2 * -(-size // n) < size
 
 
 def _gathered(axis, shape, gather_start, kept, parts):

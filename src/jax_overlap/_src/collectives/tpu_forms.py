@@ -34,11 +34,12 @@ form's own type (`Comm.flight_aval`) in the jaxpr, so that every boundary
 and transformation between start and done sees a consistent type. Values
 match `jax.lax` up to the order of the sum (device order here; exact for
 values whose sums are exact): tests/collectives/tpu_forms_test.py checks values and
-gradients on CPU with `FORCE`.
+gradients on CPU with `forced()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -58,13 +59,35 @@ FORM_ATTR = "jax_overlap.tpu_form"
 EVERY_TPU = frozenset({"psum_scatter", "psum", "all_to_all"})
 
 
-#: Test hook: choose the forms on every platform (values are checked on CPU).
-FORCE = False
+_forced = False
+
+
+@contextlib.contextmanager
+def forced(on: bool = True):
+  """Within it, traces choose the forms on every platform (`on`), or by the
+  device as outside it (`on=False`): how their values are checked on CPU.
+
+  >>> with forced():
+  ...   assert is_forced()
+  >>> is_forced()
+  False
+  """
+  global _forced
+  before, _forced = _forced, on
+  try:
+    yield
+  finally:
+    _forced = before
+
+
+def is_forced() -> bool:
+  """Whether traces choose the forms on every platform (`forced`)."""
+  return _forced
 
 
 def wanted(name: str) -> bool:
   """Whether a future of collective `name` started now gets its TPU form."""
-  if FORCE:
+  if _forced:
     return name in EVERY_TPU or name == "all_gather"
   platform, kind = _compat.trace_device()
   if name in EVERY_TPU:

@@ -90,7 +90,7 @@ def _how(plan) -> str:
   if "tp" in plan.axes:
     parts.append("tensor parallel over 'tp' by " + (
         "all_gather_matmul / matmul_reduce_scatter rings" if plan.tensor == "collective"
-        else "psum"))
+        else "matmul_psum (the sum of each row-split matmul in chunks)"))
   if "cp" in plan.axes:
     parts.append("ring_attention over 'cp' (zigzag, causal)")
   if "ep" in plan.axes:

@@ -54,8 +54,10 @@ def _norm(x, scale):
 
 
 def block(cfg: Config):
-  """`block(x, w) -> x` for one layer's (gathered) weights."""
-  def apply(x, w):
+  """`block(w, x) -> x` for one layer's (gathered) weights `w`: the
+  parameters first, as `fsdp_scan(..., params_first=True)` and
+  `pipeline_loss` call it."""
+  def apply(w, x):
     b, s, d = x.shape
     hd = d // cfg.heads
     q, k, v = jnp.split(_norm(x, w["norm1"]) @ w["qkv"], 3, axis=-1)
@@ -80,7 +82,8 @@ def head(params: dict, x):
 
 
 def logits(cfg: Config, params: dict, tokens, run_blocks):
-  """Token logits; `run_blocks(block, x, blocks) -> x` runs the stack."""
+  """Token logits; `run_blocks(block, x, blocks) -> x` runs the stack
+  (`block(w, x)`, one layer's weights first)."""
   x = run_blocks(block(cfg), embed(params, tokens), params["blocks"])
   return head(params, x)
 

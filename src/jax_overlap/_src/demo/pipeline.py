@@ -58,7 +58,8 @@ def pipelined_loss(cfg: model.Config, mesh, param_specs, microbatches: int,
   from jax_overlap._src.patterns.pipeline.loss import pipeline_loss  # noqa: PLC0415
 
   def stage(w, x):            # w: this stage's blocks, [layers/p, d/fsdp, ...]
-    return fsdp_scan(model.block(cfg), x, w, axis=FSDP, shard_dims=1)
+    return fsdp_scan(model.block(cfg), x, w, axis=FSDP, shard_dims=1,
+                     params_first=True)
 
   def body(params, tokens, targets):
     split = lambda a: a.reshape((microbatches, -1) + a.shape[1:])
@@ -76,7 +77,7 @@ def sequential_loss(cfg: model.Config):
   def loss(params, tokens, targets):
     blocks = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]),
                           params["blocks"])
-    x = jax.lax.scan(lambda x, w: (model.block(cfg)(x, w), None),
+    x = jax.lax.scan(lambda x, w: (model.block(cfg)(w, x), None),
                      model.embed(params, tokens), blocks)[0]
     return logits_loss(cfg.vocab)(x, targets)
   return loss

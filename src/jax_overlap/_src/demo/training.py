@@ -55,7 +55,7 @@ def losses_for(cfg: model.Config, mesh, param_specs,
   def plain(block, x, blocks):
     gather = lambda shard: jax.tree.map(
         lambda a: lax.all_gather(a, AXIS, axis=0, tiled=True), shard)
-    return lax.scan(lambda x, shard: (block(x, gather(shard)), None), x,
+    return lax.scan(lambda x, shard: (block(gather(shard), x), None), x,
                     blocks)[0]
 
   def loss_with(step_loss):
@@ -73,7 +73,7 @@ def losses_for(cfg: model.Config, mesh, param_specs,
         model.block(cfg), tokens, params["blocks"], axis=AXIS,
         before=lambda tokens: model.embed(params, tokens),
         after=lambda x: model.cross_entropy(model.head(params, x), targets),
-        **fsdp_options)
+        params_first=True, **fsdp_options)
 
   def unordered(params, tokens, targets):
     return model.cross_entropy(model.logits(cfg, params, tokens, plain),
@@ -173,7 +173,7 @@ def sample(cfg, params, corpus, prompt: str, n: int) -> str:
   """Greedy continuation of `prompt` (at least `cfg.seq` characters), on one
   device with a plain scan over the blocks, in one compiled loop."""
   run_blocks = lambda block, x, blocks: lax.scan(
-      lambda x, w: (block(x, w), None), x, blocks)[0]
+      lambda x, w: (block(w, x), None), x, blocks)[0]
   host = jax.tree.map(lambda p: jnp.asarray(np.asarray(p)), params)
   ids = np.array([corpus.chars.index(c) for c in prompt[-cfg.seq:]], np.int32)
 

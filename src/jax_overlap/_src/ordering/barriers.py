@@ -22,7 +22,7 @@ It runs while a program is lowered: from `to_lojax` on jax >= 0.12, from the
 MLIR lowering rule on older jax. Nowhere else.
 
 With `leave_in_flight` (jax < 0.12 lowering for TPU/GPU,
-`_compat.IN_FLIGHT_LEFT_UNFENCED`), a future's in-flight value (a
+`not _compat.ASYNC_CUSTOM_CALLS`), a future's in-flight value (a
 `collective_start`'s first output, there the plain collective's result)
 goes through no barrier but the one that fences the equation reading it
 (its done): the collective then may finish anywhere up to its done, and

@@ -292,7 +292,7 @@ def _options_for(computation, platform: str, user_options, *,
 def _holds_plain_futures(computation) -> bool:
   """Whether the module holds a future's plain collective
   (`_compat.IN_FLIGHT_ATTR`, jax < 0.12)."""
-  if not _compat.IN_FLIGHT_LEFT_UNFENCED:
+  if _compat.ASYNC_CUSTOM_CALLS:
     return False
   return _holds(computation, lambda op: _compat.IN_FLIGHT_ATTR in op.attributes)
 

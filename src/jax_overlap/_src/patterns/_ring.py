@@ -197,7 +197,7 @@ def gather_and_scatter_ring(ring: Ring, chunk, operands, state,
   held, then the accumulators' send while this step's parts run; and the
   step's compute reads the operands only once the accumulators it sends
   are complete. Where the sends are plain collectives
-  (`_compat.IN_FLIGHT_LEFT_UNFENCED`), the TPU compiler interleaves the
+  (`not _compat.ASYNC_CUSTOM_CALLS`), the TPU compiler interleaves the
   sends of two rings side by side and leaves some with no compute behind
   them; without the tie it moves a step's matmul into the window before
   (tests/aot/real_compilers_test.py::

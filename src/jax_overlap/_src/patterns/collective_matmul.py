@@ -222,7 +222,7 @@ def _gather_then_matmul_transpose(ring: Ring, dim: int, x, w, dy):
 
   def consume(dy, dw, held, source):
     return dw + _contract_rows(held, _block(dy, source, rows, dim), dtype)
-  if _compat.IN_FLIGHT_LEFT_UNFENCED:
+  if not _compat.ASYNC_CUSTOM_CALLS:
     # Where a send is its plain collective, left out of the fences, two
     # rings side by side have their sends interleaved by the TPU compiler,
     # some with no block matmul behind them: one ring carries both, x's

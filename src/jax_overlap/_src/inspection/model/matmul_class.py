@@ -41,9 +41,15 @@ CLASSES = {
     "f8": "8-bit (or narrower) float operands",
     "int8": "8-bit (or narrower) integer operands",
     "f64": "f64 operands",
+    "kernel": "a kernel's custom call that states its own flops (a Pallas "
+              "kernel's cost_estimate): what such a kernel achieves, below "
+              "XLA's own matmuls (its softmax, masks and block edges)",
 }
 _RANK = {"default": 0, "high": 1, "highest": 2}
 _F8 = re.compile(r"f(8|6|4)e\d+m\d+\w*")
+#: Custom-call targets that are a library's gemm (cost_model.py costs them
+#: as a dot): cuBLAS's, and any target naming gemm or matmul.
+GEMM_TARGET = re.compile(r"gemm|matmul", re.IGNORECASE)
 _INTS = {"s8", "u8", "s4", "u4", "s2", "u2", "s1", "u1"}
 #: `algorithm=` names (and the GPU config's ALG_ names), by what they run.
 _ALGORITHMS = (
@@ -57,7 +63,12 @@ _ALGORITHMS = (
 
 def matmul_class(instr: HloInstruction, operands: list[Shape]) -> str:
   """The class of a `dot`, `convolution` or gemm custom call with these
-  operand shapes (the first two are the matrices)."""
+  operand shapes (the first two are the matrices); any other custom call
+  (a kernel stating its own flops) is 'kernel'."""
+  if instr.opcode == "custom-call" and not _gemm_config(instr) and \
+      not GEMM_TARGET.search(attrs.string_attribute(
+          instr, "custom_call_target") or ""):
+    return "kernel"
   algorithm = _algorithm(instr)
   if algorithm:
     for pattern, cls in _ALGORITHMS:

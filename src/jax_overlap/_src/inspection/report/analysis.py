@@ -179,7 +179,7 @@ def _collective(pair, schedule, timeline, several_threads,
       done=pair.done.name if pair.done else None,
       computation=pair.computation,
       where=attrs.source_location(pair.start, schedule.module),
-      leaf=attrs.leaf(pair.start), step=attrs.step(pair.start),
+      leaf=_leaf(pair, schedule), step=attrs.step(pair.start),
       thread=pair.thread, link=totals.link if totals else "",
       queued_behind=list(queued),
       is_async=pair.is_async, made_blocking=pair.made_blocking,
@@ -190,6 +190,31 @@ def _collective(pair, schedule, timeline, several_threads,
       comm_s=totals.seconds if totals else 0.0,
       exposed_s=totals.exposed if totals else 0.0, flags=flags,
       cost_source=costed)
+
+
+def _leaf(pair: Pair, schedule: Schedule) -> str | None:
+  """What the collective moves: the `jax_overlap.leaf=` name in its
+  op_name; for one XLA combined from several (an all-reduce of several
+  operands), the names its elements' `get-tuple-element`s keep, joined by
+  '+', where each names one: the combined op keeps only one of them (on TPU
+  v5e `pipeline_loss`'s loss sum combined with its sum of xs's gradient:
+  tests/aot/report_hints_compiled_test.py)."""
+  own = attrs.leaf(pair.start)
+  if len(pair.start.operands) < 2:
+    return own
+  comp = schedule.module.computations.get(pair.done_computation
+                                          or pair.computation)
+  if comp is None:
+    return own
+  names = {}
+  for user, _ in comp.users().get((pair.done or pair.start).name, []):
+    if user.opcode == "get-tuple-element":
+      index = attrs.integer_list(user.attributes.get("index"))
+      names[index[0] if index else -1] = attrs.leaf(user)
+  parts = [names.get(k) for k in range(len(pair.start.operands))]
+  if not all(parts):
+    return own
+  return "+".join(dict.fromkeys(parts))
 
 
 def _from_autodiff(pair: Pair, schedule: Schedule) -> bool:

@@ -12,6 +12,7 @@ import os
 
 from jax_overlap._src.inspection.report.table import (
     format_bytes, format_seconds)
+from jax_overlap._src.patterns.pipeline import tick_names
 
 #: How many collectives the summary lists.
 TOP = 5
@@ -122,7 +123,11 @@ def collective_lines(rank: int, index: int, c) -> list[str]:
 def hints_for(report) -> list[str]:
   """What to change, the largest exposed time first (each a sentence)."""
   found: list[tuple[float, str]] = []
-  collectives = report.collectives
+  # pipeline_loss's own sums get their own finding; the rest, the others
+  own = [c for c in report.collectives if tick_names.summed(c.leaf)]
+  collectives = [c for c in report.collectives if not tick_names.summed(c.leaf)]
+  if any(c.exposed_s > 0 for c in own):
+    found.append(_pipeline_sums(own))
   t = report.totals
   gap = t["exposed_s"] - t["bound_exposed_s"]
   # When the dependencies force what is exposed, moving starts cannot help.
@@ -170,10 +175,11 @@ def hints_for(report) -> list[str]:
   if not forced:
     found += [_exposed_end("first", c, "start it during the compute before "
                            "it (the embedding, or the previous step's update)")
-              for c in _first_exposed(report)]
+              for c in _first_exposed(report) if c in collectives]
     found += [_exposed_end("last", c, "finish it later, during compute that "
                            "does not need it (the optimizer update of other "
-                           "leaves)") for c in _last_exposed(report)]
+                           "leaves)") for c in _last_exposed(report)
+              if c in collectives]
   queued = [c for c in collectives
             if c.queued_behind and c.exposed_s > c.comm_s * 1.001]
   if queued and not forced:
@@ -199,6 +205,36 @@ def hints_for(report) -> list[str]:
                  "more needs independent work beside the transfers, or fewer "
                  "or larger ones")
   return hints
+
+
+def _pipeline_sums(own):
+  """The finding for `pipeline_loss`'s own sums over its pipeline axis
+  (patterns/pipeline/tick_names.py): what they are, and that they are
+  needed. Not "shard those inputs over the axis": `pipeline_loss` refuses
+  xs and targets sharded over it (tests/patterns/pipeline/pipeline_sum_hint_test.py)."""
+  exposed = [c for c in own if c.exposed_s > 0]
+  c = max(exposed, key=lambda p: p.exposed_s)
+  what = {w for p in exposed for w in tick_names.summed(p.leaf)}
+  grads = sorted(w[len("the gradient of "):] for w in what
+                 if w.startswith("the gradient of "))
+  parts = (["the loss"] if "the loss" in what else []) + (
+      [f"the gradient{'s' if len(grads) > 1 else ''} of " + _listed(grads)]
+      if grads else [])
+  return (sum(p.exposed_s for p in exposed),
+          f"{len(exposed)} collective(s) that pipeline_loss writes expose "
+          f"{format_seconds(sum(p.exposed_s for p in exposed))} (largest: "
+          f"{c.start}{_at(c)}): over the devices of its pipeline axis, each "
+          f"holding its stages' part, they sum {' and '.join(parts)}. "
+          "pipeline_loss refuses xs and targets sharded over that axis, "
+          "so these sums are needed, once a step, after the schedule: nothing "
+          "to change (a gradient not asked for, such as xs's outside "
+          "jax.grad's argnums, is left out of the compiled program; the "
+          "written schedule still shows its sum)")
+
+
+def _listed(words) -> str:
+  """'a', 'a and b', 'a, b and c'."""
+  return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1]
 
 
 def _exposed_end(which: str, c, advice: str):

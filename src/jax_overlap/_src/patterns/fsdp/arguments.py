@@ -72,13 +72,15 @@ def gathered_types(transfer, shards):
   return jax.tree.unflatten(jax.tree.structure(shards), avals)
 
 
-def traced_layer(layer, x, transfer, shards, n_layers):
+def traced_layer(layer, x, transfer, shards, n_layers,
+                 call: str = "layer(x, params[i])"):
   """Traces `layer` once on x and one gathered layer's weights: checks that
   it accepts them and returns x's structure and types, and lifts the traced
   values it closes over. Returns `(layer, hoisted, widen)`: with `hoisted`
   empty the user's layer as it is; else `layer((x, hoisted), w) -> (y,
   hoisted)`. `widen` is None, or for each leaf of x the mesh axes the
-  layer's output varies over beyond x's own (`widen_carry`)."""
+  layer's output varies over beyond x's own (`widen_carry`). `call`: how
+  the user's layer is called, for the error message."""
   w_avals = gathered_types(transfer, shards)
   x_leaves, x_tree = jax.tree.flatten(x)
   # (x may be types already: the output types of fsdp_scan's `before`)
@@ -92,7 +94,7 @@ def traced_layer(layer, x, transfer, shards, n_layers):
         f"fsdp_scan(layer=..., params=...): the layer fails on x and one "
         f"layer's weights ({type(e).__name__}: {e}). fsdp_scan reads the "
         f"leading dimension of every leaf of params as the layer dimension "
-        f"({n_layers} layers here) and calls layer(x, params[i]) with "
+        f"({n_layers} layers here) and calls {call} with "
         f"x: {_shapes(x)} and params[i]: {_shapes(w_avals)}, gathered "
         f"from the local shards {_shapes(shards)}."
         f"{_gather_hint(transfer)} If params hold one layer's weights, stack "

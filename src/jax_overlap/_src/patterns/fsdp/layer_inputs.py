@@ -2,7 +2,9 @@
 
 `xs` is stacked over layers like `params` (PRNG keys for dropout, layer
 indices, per-layer flags or scales) and layer i is called as
-`layer(x, params[i], xs[i])`, the way `lax.scan` passes its `xs`. Inside
+`layer(params[i], x, xs[i])` (with `params_first=True`; the executor's
+order, which this module sees, is `layer(x, params[i], xs[i])`), the way
+`lax.scan` passes its `xs` after the carry. Inside
 `fsdp_scan` layer i's inputs travel as one pair `(params[i], xs[i])`: the
 weights through the transfer (gathered, reduce-scattered), `xs[i]` as it
 is. To the weight split the pair is "what the layer is given besides x", so

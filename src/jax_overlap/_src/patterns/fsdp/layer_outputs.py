@@ -45,12 +45,12 @@ class LayerOutputs:
     """`stack_input`, `gathered`: the types of x and of one layer's gathered
     weights, on which the layer is traced once for its y's types."""
     self.has_xs, self.n_layers, self._layer = xs is not None, n_layers, layer
-    xs0 = None if xs is None else _one_layer(xs)
+    # (xs[0] traced as an input beside the weights: the layer computes on it)
     call = (lambda x, w: layer(x, w)) if xs is None else \
-        (lambda x, w: layer(x, w, xs0))
+        (lambda x, wx: layer(x, *wx))
     closed, out_tree = trace_layer(
         lambda x, w: _split_output(call(x, w), "given x and params[0]"),
-        stack_input, gathered)
+        stack_input, gathered if xs is None else (gathered, _one_layer(xs)))
     _, self.y_types = jax.tree.unflatten(out_tree, closed.out_avals)
 
   def xs(self, xs):

@@ -1,11 +1,17 @@
-"""`fsdp_scan`'s plan: its settings turned into a list of steps.
+"""`fsdp_scan`'s planner: its settings turned into steps, and the steps into
+the runs the executor calls.
 
 Each step names what it computes (`before`, a layer, a layer's backward,
 `after`'s backward, `before`'s backward), which layers' gathers are in flight
 across that compute, which layer's gradient is reduce-scattered (HSDP: which
 one is all-reduced over the replicas), where the layer's weights come from
-and whether the step keeps them for the backward pass. One executor
-(engine.py) runs any plan; `jax_overlap.fsdp_plan(...)` returns it to read.
+and whether the step keeps them for the backward pass. Every choice of how
+the steps run is made here too and written into the plan's runs
+(plan_steps.Run): which steps run as one loop, each step's gathers relative
+to its layer, what the forward pass without a gradient runs, the loops'
+unroll, and what runs where the layer-0 split finds one group. The executor
+(engine.py) reads the plan and nothing else; `jax_overlap.fsdp_plan(...)`
+returns it to read.
 
 The schedule, one step a layer (p = prefetch, k = the layers kept):
 
@@ -30,131 +36,16 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from typing import NamedTuple
 
 import numpy as np
 
+from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp import use_order
+from jax_overlap._src.patterns.fsdp.plan_steps import FsdpPlan, Run, Step
 
 #: The layer-0 split (use_order.py) is planned only with the default schedule
 #: shape, the one measured on the real compilers (tests/aot).
 _SPLIT_WHEN = "prefetch=1 and reshard_after_forward True or 1"
-
-
-class Step(NamedTuple):
-  """One step of a pass: `compute` with the listed transfers in flight.
-
-  compute: "before", "layer", "before+layer", "after" (forward);
-    "after_back", "layer_back", "layer_back+before_back", "before_back"
-    (backward); "" for a step that only moves (a gather or a reduce-scatter
-    waited for at once, with nothing to hide behind).
-  layer: the layer computed (None for the ends).
-  gathers: the layers whose weights are gathered across the compute.
-  scatters: the layers whose gradients are reduce-scattered across it.
-  reduce: HSDP: the layer whose gradient is all-reduced over the replicas.
-  weights: where the layer's weights come from: "gathered" (a buffer of
-    gathered layers), "kept" (saved by the forward pass), "" for the ends.
-  keeps: the forward step saves its gathered weights for the backward pass.
-  buffered: how many gathered layers wait in the buffer as the step starts.
-  split: layer 0's weights (forward) or gradients (backward) travel in
-    groups by first use (use_order.py), in one step with the end beside it.
-  loop: the step runs inside a `lax.scan` with the steps beside it that do
-    the same relative to their layer (else it runs on its own).
-  again: the last layer's step does what the loop's steps do, so that it
-    runs in the loop (one copy of the layer in the compiled program, not
-    two): forward, it gathers its own layer again (the copy the backward
-    pass keeps, instead of saving the one it used); backward, it
-    reduce-scatters a zero gradient (nothing is pending yet). Neither is
-    in `gathers` / `scatters`: each moves no layer the schedule needs.
-  """
-  compute: str
-  layer: int | None = None
-  gathers: tuple = ()
-  scatters: tuple = ()
-  reduce: int | None = None
-  weights: str = ""
-  keeps: bool = False
-  buffered: int = 0
-  split: bool = False
-  loop: bool = False
-  again: bool = False
-
-  def says(self) -> str:
-    """What the step computes, in words."""
-    words = {"before": "before(x)", "after": "after(y)",
-             "after_back": "after's backward",
-             "before_back": "before's backward",
-             "layer": f"layer {self.layer}",
-             "layer_back": f"layer {self.layer}'s backward",
-             "": "(nothing: waited for at once)"}
-    said = ", then ".join(words[c] for c in self.compute.split("+"))
-    return said + (" [split by use]" if self.split else "")
-
-
-class FsdpPlan:
-  """The steps `fsdp_scan` runs for one set of settings (`fsdp_plan`).
-
-  n_layers, prefetch, kept: the stack and the two memory knobs as numbers
-    (`kept`: how many of the last layers keep their gathered weights).
-  futures: the moves are futures (inside `jax.shard_map`), else reshards on
-    an explicit-sharding mesh.
-  stages: 2 with HSDP's all-reduce over the replicas (futures only), else 1.
-  forward, backward: the steps, in the order they run.
-  notes: each setting that changed or did not change the steps, and why.
-  fence_inputs: each layer step's inputs are fenced before its first
-    operation (schedules that hold several gathered layers: without it XLA
-    started their gathers steps early, each holding a gathered layer; the
-    default schedule is not fenced so: tying a gather's start to the step's
-    inputs cost TPU v5e a window in the backward pass, transfer.py).
-  """
-
-  def __init__(self, *, n_layers, prefetch, kept, futures, stages, bucket,
-               before, after, has_ys, forward, backward, notes, fence_inputs):
-    self.n_layers, self.prefetch, self.kept = n_layers, prefetch, kept
-    self.futures, self.stages, self.bucket = futures, stages, bucket
-    self.before, self.after, self.has_ys = before, after, has_ys
-    self.forward, self.backward = tuple(forward), tuple(backward)
-    self.notes, self.fence_inputs = tuple(notes), fence_inputs
-
-  @property
-  def steps(self) -> tuple:
-    return self.forward + self.backward
-
-  def table(self) -> str:
-    """The steps as a plain-text table, one row a step."""
-    head = ("pass", "#", "computes", "gathers", "reduce-scatters",
-            "all-reduces", "weights", "keeps", "loop")
-    rows = []
-    for name, steps in (("forward", self.forward), ("backward", self.backward)):
-      for k, s in enumerate(steps):
-        again = s.again and name == "forward"
-        rows.append((name, str(k), s.says(),
-                     f"{s.layer} again" if again else _layers(s.gathers),
-                     "zeros" if s.again and not again else _layers(s.scatters),
-                     _layers(() if s.reduce is None else (s.reduce,)),
-                     s.weights or "-", "yes" if s.keeps else "-",
-                     "yes" if s.loop else "-"))
-    widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
-    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-    return "\n".join([line(head), line(tuple("-" * w for w in widths))]
-                     + [line(r) for r in rows])
-
-  def __str__(self) -> str:
-    where = ("futures inside jax.shard_map" if self.futures
-             else "jax.reshard on an explicit-sharding mesh")
-    title = (f"fsdp_scan plan: {self.n_layers} layers, prefetch={self.prefetch}, "
-             f"{self.kept} kept for the backward pass, {where}"
-             + (", HSDP" if self.stages == 2 else ""))
-    return "\n".join([title, self.table(), "notes:"]
-                     + [f"  - {n}" for n in self.notes])
-
-  def __repr__(self) -> str:
-    return (f"FsdpPlan(n_layers={self.n_layers}, prefetch={self.prefetch}, "
-            f"kept={self.kept}, steps={len(self.steps)})")
-
-
-def _layers(layers) -> str:
-  return ", ".join(map(str, layers)) if layers else "-"
 
 
 # --- the settings, checked and read as numbers --------------------------------
@@ -228,6 +119,27 @@ def backward_buffered(i: int, n: int, p: int, kept: int) -> int:
   return sum(1 for r in range(n - kept) if r <= i and gathered_at(r) > i)
 
 
+def check_unroll(unroll) -> None:
+  if unroll is not None and (isinstance(unroll, bool)
+                             or not isinstance(unroll, int) or unroll < 1):
+    raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1 or None, "
+                     f"got {unroll!r}.")
+
+
+def loops_unroll(unroll, p: int, kept: int, futures: bool) -> int:
+  """The layers a loop iteration runs for `fsdp_scan(unroll=...)`: None
+  gives p (1 with the default prefetch); loops that carry several gathered
+  layers (kept > 1 or p > 1) round it up to a multiple of p
+  (`loop_unroll`), where this jax can unroll them (an explicit mesh's
+  kept layers, `_compat.unroll_saving_reduced`)."""
+  unroll = p if unroll is None else unroll
+  if kept > 1 or p > 1:
+    if kept and not futures:
+      unroll = _compat.unroll_saving_reduced(unroll)
+    unroll = loop_unroll(unroll, p)
+  return unroll
+
+
 def loop_unroll(unroll: int, p: int) -> int:
   """The loops' unroll: `unroll` rounded up to a multiple of the prefetch
   depth `p` (unroll=1 stays 1). Each step shifts the carried buffer of
@@ -239,9 +151,9 @@ def loop_unroll(unroll: int, p: int) -> int:
 
 
 def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
-         futures: bool = True, hsdp: bool = False, bucket: bool = True,
-         before: bool = False, after: bool = False, has_ys: bool = False,
-         split: bool = True) -> FsdpPlan:
+         unroll=None, futures: bool = True, hsdp: bool = False,
+         bucket: bool = True, before: bool = False, after: bool = False,
+         has_ys: bool = False, split: bool = True) -> FsdpPlan:
   """The plan for these settings, or a ValueError/TypeError naming the
   setting that cannot be run and why. `split`: whether the layer-0 split
   is wanted (use_order.ENABLED); the plan says where it applies."""
@@ -256,6 +168,8 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
   n = int(n_layers)
   kept = kept_layers(reshard_after_forward, n)
   p = prefetch_depth(prefetch, n)
+  check_unroll(unroll)
+  unroll = loops_unroll(unroll, p, kept, futures)
   stages = 2 if hsdp and futures else 1
   default_shape = kept <= 1 and p == 1
   notes = []
@@ -350,10 +264,18 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
     backward.append(Step("before_back" if before else "", scatters=(0,),
                          reduce=0 if stages == 2 else None))
   forward, backward = _loops(forward, backward, n, fence, stages)
-  return FsdpPlan(n_layers=n, prefetch=p, kept=kept, futures=futures,
-                  stages=stages, bucket=bucket, before=before, after=after,
-                  has_ys=has_ys, forward=forward, backward=backward,
-                  notes=notes, fence_inputs=fence)
+  stacks = futures and unroll == 1
+  passes = {
+      "forward": _forward_runs(forward, save=True, fold=fold, fence=fence,
+                               stacks=stacks),
+      "primal": _forward_runs(forward, save=False, fold=fold, fence=fence,
+                              stacks=stacks),
+      "backward": _backward_runs(forward, backward)}
+  return FsdpPlan(n_layers=n, prefetch=p, kept=kept, unroll=unroll,
+                  futures=futures, stages=stages, bucket=bucket, before=before,
+                  after=after, has_ys=has_ys, forward=forward,
+                  backward=backward, runs=passes, notes=notes,
+                  fence_inputs=fence)
 
 
 def forward_signature(step) -> tuple:
@@ -385,8 +307,8 @@ def _loops(forward, backward, n: int, fence: bool, stages: int):
   layer_steps = lambda steps: [s for s in steps if "layer" in s.compute
                                and not s.split]
   fwd_runs = runs(layer_steps(forward), forward_signature)
-  run_of = lambda i: next(k for k, r in enumerate(fwd_runs)
-                          if any(s.layer == i for s in r))
+  saved_by = {s.layer: k for k, r in enumerate(fwd_runs) for s in r}
+  run_of = saved_by.get   # (None: layer 0, split)
   bwd_runs = runs(layer_steps(backward), lambda s: backward_signature(s, run_of))
   if fence:
     looped = {id(s) for r in fwd_runs + bwd_runs if len(r) > 1 for s in r}
@@ -400,9 +322,96 @@ def _loops(forward, backward, n: int, fence: bool, stages: int):
   return mark(forward), mark(backward)
 
 
+# --- the runs: which steps each call of the executor runs -------------------------
+
+
+def _forward_runs(forward, *, save: bool, fold: bool, fence: bool,
+                  stacks: bool) -> tuple:
+  """The runs of the forward pass (`save`: with a gradient, else the
+  primal pass). Consecutive layer steps that do the same relative to their
+  layer run as one, in one loop where the plan loops them. Without a
+  gradient nothing is kept: a fenced schedule's runs then join across the
+  kept layers' first step, and loop where longer than one step; the last
+  layer's `again` step runs on its own (nothing to gather again for)."""
+  entry, *steps = [s for s in forward if s.compute != "after"]
+  after = [s for s in forward if s.compute == "after"]
+  leave = Run("leave", tuple(after), again=save and fold)
+
+  def signature(s):
+    looped = s.loop if save or not fence else None
+    if s.again:   # as the loop's steps with a gradient, else on its own
+      return ((1,), s.buffered, False, True) if save else \
+          ((), s.buffered, False, False)
+    return (_offsets(s), s.buffered, save and s.keeps, looped)
+
+  def layer_runs(steps):
+    out = []
+    for run in runs(steps, signature):
+      offsets, _, keep, looped = signature(run[0])
+      looped = len(run) > 1 if looped is None else looped
+      out.append(Run("layers", tuple(run), loop=looped, gathers=offsets,
+                     keep=keep, clamp=save and fold,
+                     stacks=save and looped and stacks))
+    return out
+
+  if not entry.split:
+    return (Run("enter", (entry,)), *layer_runs(steps), leave)
+  # One group only: layer 0's gather behind `before` (named as planned),
+  # layer 0 then runs with the layers after it.
+  joined = entry._replace(gathers=entry.gathers[1:], split=False, buffered=1,
+                          loop=True)
+  otherwise = (Run("enter", (entry,)), *layer_runs([joined] + steps), leave)
+  return (Run("enter_split", (entry,), otherwise=otherwise),
+          *layer_runs(steps), leave)
+
+
+def _backward_runs(forward, backward) -> tuple:
+  """The runs of the backward pass. Consecutive layer steps that do the
+  same relative to their layer, reading the residuals of one forward run,
+  run as one. The `again` step runs as the loop's steps do: weights from
+  the buffer (the copy the forward pass gathered again), a zero gradient
+  pending."""
+  steps = [s for s in backward if "layer_back" in s.compute]
+  # the forward run that saved each layer (layer 0 split: the entry's)
+  saved_by = {s.layer: k for k, r in enumerate(_forward_runs(
+      forward, save=True, fold=False, fence=False, stacks=False))
+              for s in r.steps if s.layer is not None}
+  run_of = saved_by.__getitem__
+  first = backward[0] if backward[0] is not steps[0] else None
+  out = [Run("leave_back", () if first is None else (first,),
+             gathers=() if first is None else first.gathers)]
+  split = steps[-1] if steps[-1].split else None
+  if split is not None:
+    steps = steps[:-1]
+
+  def signature(s):
+    if s.again:
+      return (_offsets(s), 1, "gathered", 1, run_of(s.layer), s.loop)
+    return (*backward_signature(s, run_of), s.loop)
+
+  for run in runs(steps, signature):
+    offsets, _, weights, pending, _, looped = signature(run[0])
+    out.append(Run("layers_back", tuple(run), loop=looped, gathers=offsets,
+                   kept=weights == "kept", pending=pending,
+                   again=run[0].again))
+  if split is not None:
+    # One group only: layer 0's backward as its own step, then before's
+    # backward with layer 0's reduce-scatter (both named as planned).
+    otherwise = (Run("layers_back", (split,), kept=split.weights == "kept",
+                     pending=1), Run("enter_back", (split,)))
+    return (*out, Run("back_split", (split,), otherwise=otherwise))
+  reduce = [Run("reduce", (s,)) for s in backward
+            if s.compute == "" and s.reduce is not None and not s.scatters]
+  return (*out, *reduce, Run("enter_back", (backward[-1],)))
+
+
+def _offsets(step) -> tuple:
+  return tuple(g - step.layer for g in step.gathers)
+
+
 def fsdp_plan(n_layers: int, *, prefetch: int = 1,
-              reshard_after_forward: bool | int = 1, replica_axis=None,
-              bucket: bool = True, before=None, after=None,
+              reshard_after_forward: bool | int = 1, unroll: int | None = None,
+              replica_axis=None, bucket: bool = True, before=None, after=None,
               has_ys: bool = False, shard_map: bool = True) -> FsdpPlan:
   """The steps `fsdp_scan` runs with these settings, as a table to read.
 
@@ -412,7 +421,9 @@ def fsdp_plan(n_layers: int, *, prefetch: int = 1,
   names what it computes, which layers' gathers are in flight across it,
   which layer's gradient it reduce-scatters (and, with HSDP, all-reduces),
   where its weights come from and whether it keeps them for the backward
-  pass. A setting that cannot be run raises the error `fsdp_scan` would.
+  pass; `plan.runs` (printed below the table) are the executor's calls,
+  each pass's, with every choice they read. A setting that cannot be run
+  raises the error `fsdp_scan` would.
 
   Example:
     >>> import jax_overlap
@@ -421,9 +432,11 @@ def fsdp_plan(n_layers: int, *, prefetch: int = 1,
     [('layer 0 [split by use]', (0, 1)), ('layer 1', (2,)), ('layer 2', ())]
     >>> [(s.says(), s.scatters) for s in plan.backward][-1]
     ("layer 0's backward [split by use]", (1, 0))
+    >>> [r.kind for r in plan.runs["forward"]]
+    ['enter_split', 'layers', 'leave']
   """
   return plan(n_layers, prefetch=prefetch,
-              reshard_after_forward=reshard_after_forward,
+              reshard_after_forward=reshard_after_forward, unroll=unroll,
               futures=bool(shard_map), hsdp=replica_axis is not None,
               bucket=bucket, before=_given(before), after=_given(after),
               has_ys=has_ys, split=use_order.ENABLED)

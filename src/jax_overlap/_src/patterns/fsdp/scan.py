@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jax_overlap._src import _compat, eager_shard_map
-from jax_overlap._src.patterns.fsdp import engine, use_order
+from jax_overlap._src import eager_shard_map
+from jax_overlap._src.patterns.fsdp import argument_order, engine, use_order
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
                                                       count_layers,
@@ -17,8 +17,8 @@ from jax_overlap._src.patterns.fsdp.layer_inputs import (PairTransfer,
                                                          with_layer_inputs)
 from jax_overlap._src.patterns.fsdp.layer_outputs import LayerOutputs
 from jax_overlap._src.patterns.fsdp.one_layer import layer_at
-from jax_overlap._src.patterns.fsdp.plan import (check_bool, kept_layers,
-                                                 loop_unroll, plan,
+from jax_overlap._src.patterns.fsdp.plan import (check_bool, check_unroll,
+                                                 kept_layers, plan,
                                                  prefetch_depth)
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.stack_ends import StackEnds, check_end
@@ -30,7 +30,8 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
               xs=None, param_dtype=None, reduce_dtype=None,
               bucket: bool = True, replica_axis=None,
               reshard_after_forward: bool | int = 1, prefetch: int = 1,
-              before=None, after=None, has_ys: bool = False):
+              before=None, after=None, has_ys: bool = False,
+              params_first: bool = False):
   """Applies `layer` once per layer of `params`, prefetching the next weights.
 
   Fully sharded data parallelism over a scanned stack of layers: each layer's
@@ -62,9 +63,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     (explicit_futures.py): there the prefetch overlaps as inside shard_map.
 
   Args:
-    layer: `layer(x, layer_params) -> x` (`layer(x, layer_params, xs_i)`
-      with `xs`), the same structure, shapes and
-      dtypes out as in (checked at the call). It may be a `jax.jit`-wrapped
+    layer: `layer(layer_params, x) -> x` with `params_first=True`
+      (`layer(layer_params, x, xs_i)` with `xs`), the same structure, shapes
+      and dtypes out as x's (checked at the call). It may be a `jax.jit`-wrapped
       function (its body is split like any other), and it may close over
       traced values, even ones being differentiated: they are lifted into
       explicit inputs, and their gradients flow (values computed from them
@@ -100,8 +101,9 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       its activations.
     xs: per-layer inputs, a pytree stacked over the layers like `params`
       (PRNG keys for dropout, layer indices, per-layer flags or scales),
-      never gathered: layer i is called as `layer(x, params[i], xs[i])`, as
-      `lax.scan` passes its `xs`. Values computed from `xs[i]` alone (a
+      never gathered: layer i is called as `layer(params[i], x, xs[i])`
+      (the parameters, the carried activation, then the rest, as `lax.scan`
+      passes its `xs` after the carry). Values computed from `xs[i]` alone (a
       dropout mask from a key) are recomputed in the backward pass, not
       saved. Float parts get gradients; integer, boolean and key parts
       float0 ones. Inside shard_map give them in_specs `P()` (the same on
@@ -161,6 +163,15 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       `(carry, y)`, and fsdp_scan returns `(x, ys)` (with `after`:
       `(after(x), ys)`), the ys stacked over the layers (aux losses, KV
       caches, sown values); their gradients flow. False: the layer returns x.
+    params_first: True: the layer is called `layer(params[i], x)`, the
+      parameters first, as every pattern calls its function
+      (`pipeline_loss`'s `stage_fn(params, x)`, `expert_parallel`'s
+      `expert_fn(params, tokens)`, flax's `apply(params, x)`). False (the
+      default for now, deprecated): `layer(x, params[i])`, with a
+      `jax_overlap.errors.LayerArgumentOrderWarning` at the call; the
+      default becomes True in a later release. Types cannot tell the two
+      orders apart (a square weight and an activation of one shape fit
+      both), so the order is said, not guessed.
 
   The steps these settings run (what each gathers, computes,
   reduce-scatters and keeps) are `jax_overlap.fsdp_plan(n_layers, ...)`'s,
@@ -176,13 +187,13 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     >>> from jax_overlap import fsdp_scan
     >>> mesh = jax.make_mesh((2,), ("d",),
     ...                      axis_types=(jax.sharding.AxisType.Auto,))
-    >>> def layer(x, w):
+    >>> def layer(w, x):             # one layer's weights, then x
     ...   return jnp.tanh(x @ w)
     >>> @jax.jit
     ... @jax.shard_map(mesh=mesh, in_specs=(P("d"), P(None, "d")),
     ...                out_specs=P("d"))
     ... def model(x, ws):            # ws: this device's shard of each layer
-    ...   return fsdp_scan(layer, x, ws, axis="d")
+    ...   return fsdp_scan(layer, x, ws, axis="d", params_first=True)
     >>> x, ws = jnp.ones((4, 8)), jnp.full((3, 8, 8), 0.1)   # 3 layers
     >>> model(x, ws).shape
     (4, 8)
@@ -196,25 +207,32 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     ... def loss(table, ws, tokens):
     ...   return jax.lax.pmean(fsdp_scan(
     ...       layer, tokens, ws, axis="d", before=lambda t: table[t],
-    ...       after=lambda y: jnp.mean(y ** 2)), "d")
+    ...       after=lambda y: jnp.mean(y ** 2), params_first=True), "d")
     >>> table, tokens = jnp.ones((5, 8)), jnp.arange(4) % 5
     >>> [g.shape for g in jax.grad(loss, argnums=(0, 1))(table, ws, tokens)]
     [(5, 8), (3, 8, 8)]
   """
+  check_bool(params_first, "params_first")
+  if not callable(layer):
+    raise TypeError(f"fsdp_scan(layer=...) must be a function "
+                    f"{argument_order.layer_call(params_first)} -> x, got "
+                    f"{layer!r}.")
+  if not params_first:   # (said at the user's call, once a call site)
+    argument_order.warn_params_last(stacklevel=2)
   if eager_shard_map.in_eager_shard_map():
     # An eager shard_map compiles each primitive anew at every call; the whole
     # scan runs there as one cached program (tests/integration/real_clients_eager_test.py).
     settings = {k: v for k, v in locals().items()
-                if k not in ("layer", "x", "params")}
+                if k not in ("layer", "x", "params", "params_first")}
+    inner = layer if params_first else (
+        lambda w, x, *rest: layer(x, w, *rest))
     return eager_shard_map.run_as_one(
-        lambda x, params: fsdp_scan(layer, x, params, **settings), x, params)
-  if not callable(layer):
-    raise TypeError(f"fsdp_scan(layer=...) must be a function "
-                    f"layer(x, layer_params) -> x, got {layer!r}.")
-  if unroll is not None and (isinstance(unroll, bool)
-                             or not isinstance(unroll, int) or unroll < 1):
-    raise ValueError(f"fsdp_scan(unroll=...) must be an int >= 1 or None, "
-                     f"got {unroll!r}.")
+        lambda x, params: fsdp_scan(inner, x, params, params_first=True,
+                                    **settings), x, params)
+  call = argument_order.layer_call(params_first, xs is not None)
+  if params_first:   # the executor calls layer(x, w[, xs_i])
+    layer = argument_order.x_first(layer)
+  check_unroll(unroll)
   check_remat_policy(remat_policy)
   check_bool(has_ys, "has_ys")
   check_bool(bucket, "bucket")
@@ -229,7 +247,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
   transfer = choose_transfer(axis, params, shard_dims, precision, bucket,
                              replica_axis)
   steps = plan(n_layers, prefetch=prefetch,
-               reshard_after_forward=reshard_after_forward,
+               reshard_after_forward=reshard_after_forward, unroll=unroll,
                futures=transfer.in_shard_map,
                hsdp=replica_axis is not None,
                bucket=bucket, before=before is not None,
@@ -260,7 +278,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
     params = (params, xs)
   user_layer = layer
   layer, hoisted, widen = traced_layer(user_layer, x, transfer,
-                                       layer_at(params, 0), n_layers)
+                                       layer_at(params, 0), n_layers, call)
   if widen is not None:
     # The layer makes carry leaves vary over more axes: they start so.
     if ends is None:
@@ -270,22 +288,14 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
       ends = StackEnds(lambda v: widen_carry(first(v), widen), after, x_in)
       x = ends.stack_input
     layer, hoisted, _ = traced_layer(user_layer, x, transfer,
-                                     layer_at(params, 0), n_layers)
-  if unroll is None:   # one layer an iteration; p with prefetch p
-    unroll = steps.prefetch
-  if steps.kept > 1 or steps.prefetch > 1:
-    # Loops that carry several gathered layers (plan.loop_unroll); kept
-    # layers saved on an explicit mesh need the unroll _compat gives.
-    if steps.kept and not transfer.in_shard_map:
-      unroll = _compat.unroll_saving_reduced(unroll)
-    unroll = loop_unroll(unroll, steps.prefetch)
+                                     layer_at(params, 0), n_layers, call)
   if ends is not None:
     return engine.run(steps, layer, ends.run_input(x_in, hoisted), params,
-                      transfer, unroll, remat_policy, ends)
+                      transfer, remat_policy, ends)
   if hoisted:
     # The layer closed over traced values (perhaps being differentiated):
     # they ride along in the carry, so their gradients flow like x's.
-    y, _ = engine.run(steps, layer, (x, hoisted), params, transfer, unroll,
+    y, _ = engine.run(steps, layer, (x, hoisted), params, transfer,
                       remat_policy)
     return y
-  return engine.run(steps, layer, x, params, transfer, unroll, remat_policy)
+  return engine.run(steps, layer, x, params, transfer, remat_policy)

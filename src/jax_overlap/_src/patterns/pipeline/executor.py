@@ -4,10 +4,11 @@ The ticks are unrolled. At each, every device runs its action (work.py),
 then the tick's sends start as `ppermute_start` futures: one carrying
 activations to the next stage, one carrying cotangents back. A send is
 finished after the next tick's compute where no device needs it sooner
-(buffers.py), so it is in flight while that tick computes. A backward action
-recomputes its stage's forward from the stage input it kept (each stage is
-rematerialised, as `jax.checkpoint` of it would be), so a device holds one
-activation a live microbatch.
+(buffers.py), so it is in flight while that tick computes. A forward action keeps its
+stage's residuals for the backward ones in rows beside the kept stage input
+(residuals.py), or, with `recompute=True`, a backward action recomputes its
+stage's forward from the stage input it kept (as `jax.checkpoint` of the
+stage would); either way a device holds one row a live microbatch.
 
 Two dispatches. `switch`: each device runs only its own action, chosen by
 its axis index with `lax.switch`. Devices of one collective group (over
@@ -31,10 +32,12 @@ from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
+from jax_overlap._src.patterns.pipeline import residuals as _residuals
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
-from jax_overlap._src.patterns.pipeline.tick_names import label
-from jax_overlap._src.patterns.pipeline.work import Model, Work, float_leaves
+from jax_overlap._src.patterns.pipeline.tick_names import label, sum_label
+from jax_overlap._src.patterns.pipeline.work import (Model, Work, float_leaves,
+                                                    is_float)
 
 DISPATCHES = ("switch", "lockstep")
 
@@ -48,7 +51,7 @@ _VARIANT = {_buffers.IDLE: None, _buffers.F_FIRST: (F, True, False),
 
 def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
             targets, axis, *, axes: tuple, with_grads: bool, dispatch: str,
-            zero_act, zero_aux):
+            zero_act, zero_aux, recompute=False):
   """The mean loss, the aux values stacked over the microbatches and, with
   `with_grads`, this device's parts of the gradients of the summed loss / m
   with respect to the float leaves of `params` (its chunks), `consts`, `xs`
@@ -71,7 +74,16 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
         dconsts=[vary(jnp.zeros_like(a)) for a in float_leaves(consts)],
         dxs=[vary(jnp.zeros_like(a)) for a in float_leaves(xs)],
         dtargets=[vary(jnp.zeros_like(a)) for a in float_leaves(targets)])
-  work = Work(model, m, with_grads, vary, jax.tree.map(vary, zero_act))
+  zero_act = jax.tree.map(vary, zero_act)
+  layout = None
+  if with_grads and recompute is not True:
+    chunk = jax.tree.map(lambda a: vary(a[0]) if is_float(a) else a[0], params)
+    layout = _residuals.layout(model.stage, recompute, chunk,
+                               jax.tree.map(vary, consts), zero_act,
+                               vary(jnp.zeros((), jnp.int32)), axes)
+    state["res"] = [vary(jnp.zeros((rows,) + a.shape, a.dtype))
+                    for a in layout.kept]
+  work = Work(model, m, with_grads, vary, zero_act, layout)
   me = jax.lax.axis_index(axis)
   pending = []
   for t, tick in enumerate(prog.ticks):
@@ -98,8 +110,9 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
                                      send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
   # only the last stage's are not 0
-  loss = jax.lax.psum(state["loss"], axis) / m
-  aux = jax.tree.map(lambda a: jax.lax.psum(a, axis), state["aux"])
+  with moving(sum_label("the loss")):   # the report's leaf (tick_names.py)
+    loss = jax.lax.psum(state["loss"], axis) / m
+    aux = jax.tree.map(lambda a: jax.lax.psum(a, axis), state["aux"])
   if not with_grads:
     return loss, aux
   return (loss, aux, state["grads"], state["dconsts"], state["dxs"],

@@ -13,6 +13,7 @@ switches' sends). Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -21,7 +22,10 @@ from jax_overlap._src.patterns.pipeline import checks as _checks
 from jax_overlap._src.patterns.pipeline import plan as _plan
 from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
                                                          reduce_like)
+from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline.pieces import model_of
+from jax_overlap._src.patterns.pipeline.residuals import check_recompute
+from jax_overlap._src.patterns.pipeline.tick_names import sum_label
 from jax_overlap._src.patterns.pipeline.work import (float0_like, is_float,
                                                     with_floats)
 
@@ -30,7 +34,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                   xs, targets, *, axis, schedule: str = "1f1b",
                   virtual_stages: int = 1, send_ticks: int | None = None,
                   before: Callable | None = None, has_aux: bool = False,
-                  dispatch: str | None = None):
+                  dispatch: str | None = None, recompute=False):
   """The mean over m microbatches of `loss_fn(stages(before(x)), target)`,
   the stages pipelined over the devices of `axis`; call inside
   `jax.shard_map`.
@@ -77,6 +81,19 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       (needed when any device of a collective group would otherwise run a
       collective another does not); None (default): "lockstep" where
       `stage_fn`, `loss_fn` or `before` holds a collective, else "switch".
+    recompute: what a stage's backward action does for the stage's
+      forward, as `jax.checkpoint` would choose. False (default): the
+      forward action keeps the residuals `jax.vjp` of the stage needs (one
+      set a microbatch in flight, in the rows the kept stage inputs use, so
+      the memory stays flat in m) and the backward applies them: the
+      stage's forward runs once a microbatch. True: keep only the stage's
+      input and run its forward again in the backward (zero bubble's input
+      and weight halves each run it): less memory a microbatch in flight,
+      about a third more compute. A `jax.checkpoint` policy (e.g.
+      `jax.checkpoint_policies.dots_saveable`): keep what the policy saves,
+      recompute the rest. docs/pipeline.md, "Memory", has what each costs
+      on the H100 compiler; tests/patterns/pipeline/pipeline_residuals_test.py
+      pins the values and the forward count.
 
   Returns:
     The mean loss, the same on every device of `axis`. It is typed as
@@ -103,6 +120,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     >>> loss(w, xs, ys)
     Array(36., dtype=float32)
   """
+  check_recompute(recompute)
   p = _checks.axis_size(axis)
   m = _checks.check_shapes(stage_params, xs, targets, virtual_stages, axis)
   if dispatch is not None and dispatch not in DISPATCHES:
@@ -118,7 +136,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   run_plan = lambda plan_, params, consts, xs_, targets_, grads: execute(
       plan_, built.model, params, consts, xs_, targets_, axis,
       axes=built.axes, with_grads=grads, dispatch=dispatch, zero_act=built.zero_act,
-      zero_aux=built.zero_aux)
+      zero_aux=built.zero_aux, recompute=recompute)
 
   @jax.custom_vjp
   def run(params, consts, xs, targets):
@@ -135,15 +153,27 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     # each device's part scaled by its own cotangent, then summed
     scale = lambda g, like: reduce_like((ct * g).astype(g.dtype), like)
     out = []
-    for parts, like in zip(grads, primals):
+    for parts, like, name in zip(grads, primals, _SUMMED):
       floats = [a for a in jax.tree.leaves(like) if is_float(a)]
-      out.append(with_floats(like, [scale(g, f) for g, f in zip(parts, floats)],
-                             float0_like))
+      # What is replicated over the pipeline axis is summed over it: the
+      # report's leaf says so (tick_names.py).
+      with (contextlib.nullcontext() if name is None
+            else moving(sum_label(f"the gradient of {name}"))):
+        summed = [scale(g, f) for g, f in zip(parts, floats)]
+      out.append(with_floats(like, summed, float0_like))
     return tuple(out)
 
   run.defvjp(run_fwd, run_bwd)
   loss, aux = run(stage_params, built.consts, xs, targets)
   return (loss, aux) if has_aux else loss
+
+
+#: The report's name for the sum of each input's gradient parts, in the
+#: order of run's inputs. None for stage_params, sharded over the pipeline
+#: axis (a sum over another axis is autodiff's usual one), and for the
+#: closed-over values, cast to vary before the custom_vjp (pieces.py names
+#: autodiff's sum of their gradients).
+_SUMMED = (None, None, "xs", "targets")
 
 
 @jax.custom_jvp

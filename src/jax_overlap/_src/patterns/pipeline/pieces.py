@@ -25,8 +25,10 @@ from jax._src import core
 
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns import varying as _varying
+from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import checks as _checks
 from jax_overlap._src.patterns.pipeline.executor import all_axes
+from jax_overlap._src.patterns.pipeline.tick_names import sum_label
 from jax_overlap._src.patterns.pipeline.work import Model, is_float
 
 
@@ -114,7 +116,10 @@ def _convert(fn, args, name, vary):
   jaxpr = _compat.open_jaxpr(closed)
   values = _compat.jaxpr_consts(closed)
   free = [isinstance(c, core.Tracer) and is_float(c) for c in values]
-  consts = [vary(c) for c, f in zip(values, free) if f]
+  # Cast to vary here, outside pipeline_loss's custom_vjp, so autodiff sums
+  # their gradients' parts: the report's leaf names that sum (tick_names.py).
+  with moving(sum_label(f"the gradient of what {name} closes over")):
+    consts = [vary(c) for c, f in zip(values, free) if f]
   fixed = [c for c, f in zip(values, free) if not f]
   out_tree = jax.tree.structure(out_shape)
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_overlap._src.patterns.pipeline import residuals as _residuals
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 
 
@@ -114,6 +115,7 @@ class Work:
   with_grads: bool
   vary: Callable
   zero_act: Any      # the activation pytree, zeros
+  residuals: Any = None   # residuals.Layout: kept from F to B; None: recomputed
 
   def action(self, kind: str, first, last, active):
     """`(state, params, consts, xs, targets, i, j, s) -> (state, sent
@@ -149,7 +151,15 @@ class Work:
       state["inputs"] = jax.tree.map(lambda a, v: _put(a, v, s, _both(first, active)),
                                      state["inputs"], x)
     chunk = jax.tree.map(lambda a: _at(a, j), params)
-    y = model.stage(chunk, consts, x, i)
+    if self.with_grads and self.residuals is not None:
+      inputs = self._stage_inputs(chunk, consts, x)
+      y, vjp = _residuals.stage_vjp(self._stage_at(i), self.residuals.recompute,
+                                    *inputs)
+      kept = self.residuals.split(vjp, inputs)
+      state["res"] = [_put(a, self.vary(v), s, active)
+                      for a, v in zip(state["res"], kept)]
+    else:
+      y = model.stage(chunk, consts, x, i)
     if last is False:
       return self._out(state, fwd=y)
     target = jax.tree.map(lambda a: _at(a, i), targets)
@@ -186,13 +196,17 @@ class Work:
     dy = jax.tree.map(lambda d, a: d if d.dtype == jax.dtypes.float0
                       else d.astype(a.dtype), dy, x)
     chunk = jax.tree.map(lambda a: _at(a, j), params)
-    # cast to vary like the activations, so that jax's vjp keeps each
-    # device's part instead of summing it over the axes the parameters are
-    # replicated over (reduce_like sums once, at the end)
-    chunk = jax.tree.map(lambda a: self.vary(a) if is_float(a) else a, chunk)
-    cvar = jax.tree.map(lambda a: self.vary(a) if is_float(a) else a, consts)
-    fn = lambda w, c, x_: model.stage(w, c, x_, i)
-    if inputs and weights:
+    chunk, cvar, x = self._stage_inputs(chunk, consts, x)
+    fn = self._stage_at(i)
+    if self.residuals is not None:   # the vjp the forward action kept
+      again = lambda: _residuals.stage_vjp(fn, self.residuals.recompute,
+                                           chunk, cvar, x)[1]
+      vjp = self.residuals.join([_at(a, s) for a in state["res"]],
+                                (chunk, cvar, x), again)
+      dw, dc, dx = vjp(dy)
+      dw, dc, dx = (dw if weights else None, dc if inputs else None,
+                    dx if inputs else None)
+    elif inputs and weights:
       _, vjp = jax.vjp(fn, chunk, cvar, x)
       dw, dc, dx = vjp(dy)
     elif inputs:
@@ -221,6 +235,17 @@ class Work:
       state["dxs"] = [_put(a, d, i, on) for a, d in zip(state["dxs"], dxs_i)]
       state["dconsts"] = _accumulate(state["dconsts"], dc_embed, on)
     return self._out(state, bwd=None if first is True else dx_floats)
+
+  def _stage_at(self, i):
+    return lambda w, c, x: self.model.stage(w, c, x, i)
+
+  def _stage_inputs(self, chunk, consts, x):
+    """(chunk, consts, x) as the stage's vjp takes them: the floats cast to
+    vary like the activations, so that jax's vjp keeps each device's part
+    instead of summing it over the axes the parameters are replicated over
+    (reduce_like sums once, at the end)."""
+    cast = lambda t: jax.tree.map(lambda a: self.vary(a) if is_float(a) else a, t)
+    return cast(chunk), cast(consts), jax.tree.map(self.vary, x)
 
   def _embed_backward(self, consts, raw, dx):
     """(float parts of d / d raw, of d / d consts) through the embedding."""

@@ -1,0 +1,126 @@
+"""pipeline_loss(recompute=...): the stage's residuals kept from its forward
+action to its backward ones (the default), recomputed (True) or kept as a
+jax.checkpoint policy says; the same values and gradients each way."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout
+from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
+from pipeline_model import model, mse, pipelined_loss, sequential_loss, stage
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+CHOICES = (False, True, jax.checkpoint_policies.dots_saveable)
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+def _value_and_grad(loss, params, xs, ts):
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, xs, ts)
+
+
+def _same(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.newest_jax(older_jax=[
+    "test_each_choice_equals_the_sequential_model[1f1b-1-switch]",
+    "test_each_choice_equals_the_sequential_model[zb-h1-1-lockstep]",
+    "test_each_choice_equals_the_sequential_model[interleaved-2-switch]"])
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["switch", "lockstep"])
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_each_choice_equals_the_sequential_model(schedule, v, dispatch):
+  p, m = 2, 4
+  params, xs, ts = model(p * v, m)
+  want = _value_and_grad(sequential_loss, params, xs, ts)
+  got = {}
+  for recompute in CHOICES:
+    got[recompute] = _value_and_grad(
+        pipelined_loss(p, schedule=schedule, virtual_stages=v,
+                       dispatch=dispatch, recompute=recompute), params, xs, ts)
+    _same(got[recompute], want)
+  _same(got[False], got[True])
+
+
+def _count_stage_runs(recompute, schedule="1f1b"):
+  """How many times the stage's forward runs in one value_and_grad (a
+  callback counts each run; switch dispatch runs a device's own action)."""
+  runs = []
+
+  def counted(prm, x):
+    jax.debug.callback(lambda: runs.append(1))
+    return stage(prm, x)
+
+  p, m = 2, 4
+  params, xs, ts = model(p, m)
+  loss = pipelined_loss(p, stage_fn=counted, schedule=schedule,
+                        dispatch="switch", recompute=recompute)
+  jax.block_until_ready(_value_and_grad(loss, params, xs, ts))
+  jax.effects_barrier()
+  return len(runs), p * m
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_default_runs_each_stage_forward_once(schedule):
+  runs, actions = _count_stage_runs(False, schedule)
+  assert runs == actions, (runs, actions)
+
+
+def test_recompute_runs_each_stage_forward_again_in_its_backward():
+  runs, actions = _count_stage_runs(True)
+  assert runs == 2 * actions, (runs, actions)
+
+
+def test_a_collective_inside_the_stage_in_lockstep():
+  """A tensor-parallel stage (a psum over 'tp'): its residuals are kept and
+  the gradients equal the sequential model's and recompute=True's."""
+  D, F = 4, 8
+
+  def tp_stage(w, x):
+    return x + jax.lax.psum(jnp.tanh(x @ w["up"]) @ w["down"], "tp")
+
+  def reference(w, x):
+    return x + jnp.tanh(x @ w["up"]) @ w["down"]
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  w = {"up": jax.random.normal(keys[0], (2, D, F)) / 2,
+       "down": jax.random.normal(keys[1], (2, F, D)) / 2}
+  xs = jax.random.normal(keys[2], (4, 2, D))
+  ts = jax.random.normal(keys[3], (4, 2, D))
+  mesh = jax.make_mesh((2, 2), ("pp", "tp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:4])
+  specs = {"up": P("pp", None, "tp"), "down": P("pp", "tp", None)}
+
+  def piped(schedule, recompute):
+    def body(w, xs, ts):
+      return jax.lax.pmean(pipeline_loss(tp_stage, mse, w, xs, ts, axis="pp",
+                                         schedule=schedule, recompute=recompute),
+                           "tp")
+    return lambda w, xs, ts: jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P())(
+            pipeline_stage_layout(w, 2), xs, ts)
+
+  def sequential(w, xs, ts):
+    def one(x, t):
+      for g in range(2):
+        x = reference(jax.tree.map(lambda a: a[g], w), x)
+      return mse(x, t)
+    return jnp.mean(jax.vmap(one)(xs, ts))
+
+  want = _value_and_grad(sequential, w, xs, ts)
+  for schedule in ("1f1b", "zb-h1"):
+    kept = _value_and_grad(piped(schedule, False), w, xs, ts)
+    _same(kept, want)
+    _same(kept, _value_and_grad(piped(schedule, True), w, xs, ts))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_a_bad_recompute_is_refused(bad):
+  params, xs, ts = model(2, 4)
+  with pytest.raises(TypeError, match=r"pipeline_loss\(recompute="):
+    jax.jit(pipelined_loss(2, recompute=bad))(params, xs, ts)
