@@ -123,8 +123,11 @@ def test_one_device_holds_the_layer_once_a_pass(monkeypatch):
       x, params).as_text()
   assert text.count("stablehlo.dot_general") == \
       plain.count("stablehlo.dot_general") == 6
+  # without a gradient too (the last layer gathers itself again, in the loop)
+  forward = jax.jit(_loss(_mesh1(), ("d",))).lower(x, params).as_text()
+  assert forward.count("stablehlo.dot_general") == 2
   one = jo.fsdp_plan(L, axis_size=1)
-  assert [str(p) for p in seen] == [str(one)]
+  assert [str(p) for p in seen] == [str(one)] * 2
   assert not any(s.split for s in one.steps)
   assert [r.kind for r in one.runs["backward"]] == [
       "leave_back", "layers_back", "enter_back"]

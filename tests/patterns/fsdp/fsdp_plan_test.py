@@ -170,7 +170,8 @@ def _check_runs(p, n, fold):
       for r in runs:
         assert not r.loop or r.kind in ("layers", "layers_back")
         assert not r.stacks or (r.loop and name == "forward")
-        assert r.clamp == (r.kind == "layers" and name == "forward" and fold
+        assert r.clamp == (r.kind == "layers" and fold and (
+                               name == "forward" or not p.moves)
                            or r.kind == "layers_back" and any(
                                s.again and s.layer == 0 for s in r.steps))
         for s in r.steps if r.kind in ("layers", "layers_back") else ():

@@ -285,7 +285,7 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
       "forward": _forward_runs(forward, save=True, fold=fold, fence=fence,
                                stacks=stacks),
       "primal": _forward_runs(forward, save=False, fold=fold, fence=fence,
-                              stacks=stacks),
+                              stacks=stacks, moves=moves),
       "backward": _backward_runs(forward, backward)}
   return FsdpPlan(n_layers=n, prefetch=p, kept=kept, unroll=unroll,
                   futures=futures, moves=moves, stages=stages, bucket=bucket, before=before,
@@ -342,21 +342,23 @@ def _loops(forward, backward, n: int, fence: bool, stages: int):
 
 
 def _forward_runs(forward, *, save: bool, fold: bool, fence: bool,
-                  stacks: bool) -> tuple:
+                  stacks: bool, moves: bool = True) -> tuple:
   """The runs of the forward pass (`save`: with a gradient, else the
   primal pass). Consecutive layer steps that do the same relative to their
   layer run as one, in one loop where the plan loops them. Without a
   gradient nothing is kept: a fenced schedule's runs then join across the
   kept layers' first step, and loop where longer than one step; the last
-  layer's `again` step runs on its own (nothing to gather again for)."""
+  layer's `again` step runs on its own (nothing to gather again for), but
+  where nothing moves, in the loop (its gather again costs nothing)."""
   entry, *steps = [s for s in forward if s.compute != "after"]
   after = [s for s in forward if s.compute == "after"]
   leave = Run("leave", tuple(after), again=save and fold)
+  again_looped = save or not moves
 
   def signature(s):
     looped = s.loop if save or not fence else None
     if s.again:   # as the loop's steps with a gradient, else on its own
-      return ((1,), s.buffered, False, True) if save else \
+      return ((1,), s.buffered, False, True) if again_looped else \
           ((), s.buffered, False, False)
     return (_offsets(s), s.buffered, save and s.keeps, looped)
 
@@ -366,7 +368,7 @@ def _forward_runs(forward, *, save: bool, fold: bool, fence: bool,
       offsets, _, keep, looped = signature(run[0])
       looped = len(run) > 1 if looped is None else looped
       out.append(Run("layers", tuple(run), loop=looped, gathers=offsets,
-                     keep=keep, clamp=save and fold,
+                     keep=keep, clamp=again_looped and fold,
                      stacks=save and looped and stacks))
     return out
 
