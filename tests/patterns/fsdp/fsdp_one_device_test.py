@@ -3,9 +3,11 @@
 Over a one-device axis every gather and reduce-scatter is the identity, so
 the program holds no collective and no bucket packing (what XLA left of them
 on a TPU v5e cost the 1-device bf16 train step 2.7x a plain scan's,
+docs/fsdp.md), and the layer once a pass: layer 0 is not split by use order
+and its backward runs in the loop (the compile time of a second copy,
 docs/fsdp.md). Values and gradients stay a plain scan's, with buckets or
-without, with mixed precision and with HSDP over a one-device replica axis,
-and with the ends, xs and ys (on two devices too).
+without, with mixed precision, remat, unroll, the ends, xs and ys, and with
+HSDP over a one-device replica axis.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
+from jax_overlap._src.patterns.fsdp import engine
 
 B, D, H, L = 8, 16, 8, 3
 
@@ -61,9 +64,10 @@ def _collectives(jaxpr) -> list[str]:
 @pytest.mark.parametrize("options", [
     {}, {"bucket": False}, {"param_dtype": jnp.bfloat16},
     {"reduce_dtype": jnp.bfloat16}, {"reshard_after_forward": True},
-    {"prefetch": 2}],
+    {"prefetch": 2}, {"unroll": 2},
+    {"remat_policy": jax.checkpoint_policies.nothing_saveable}],
     ids=["bucket", "no-bucket", "bf16-gather", "bf16-reduce", "regather-all",
-         "prefetch2"])
+         "prefetch2", "unroll2", "remat"])
 def test_one_device_moves_nothing_and_matches_a_plain_scan(options):
   mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:1])
@@ -94,6 +98,40 @@ def test_hsdp_with_one_device_an_axis_matches_a_plain_scan():
   np.testing.assert_allclose(value, ref, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _mesh1():
+  return jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+
+
+def test_one_device_holds_the_layer_once_a_pass(monkeypatch):
+  # Nothing moves, so layer 0 is not split by use order (plan.py) and its
+  # backward step runs in the loop (gathering layer 0 again, which moves
+  # nothing): the gradient step holds the layer's 2 matmuls forward and 4
+  # backward, as a plain scan's does (with more devices: 12, layer 0 apart
+  # in each pass, fsdp_plan_test::test_the_default_program_holds_the_layer_
+  # once_a_loop). It runs the plan fsdp_plan(axis_size=1) prints.
+  seen = []
+  run = engine.run
+  monkeypatch.setattr(engine, "run", lambda p, *a, **k: (seen.append(p),
+                                                          run(p, *a, **k))[1])
+  x, params = _inputs()
+  grad = jax.value_and_grad(_loss(_mesh1(), ("d",)), argnums=(0, 1))
+  text = jax.jit(grad).lower(x, params).as_text()
+  plain = jax.jit(jax.value_and_grad(_plain, argnums=(0, 1))).lower(
+      x, params).as_text()
+  assert text.count("stablehlo.dot_general") == \
+      plain.count("stablehlo.dot_general") == 6
+  # without a gradient too (the last layer gathers itself again, in the loop)
+  forward = jax.jit(_loss(_mesh1(), ("d",))).lower(x, params).as_text()
+  assert forward.count("stablehlo.dot_general") == 2
+  one = jo.fsdp_plan(L, axis_size=1)
+  assert [str(p) for p in seen] == [str(one)] * 2
+  assert not any(s.split for s in one.steps)
+  assert [r.kind for r in one.runs["backward"]] == [
+      "leave_back", "layers_back", "enter_back"]
+  assert "0 again" in one.table().splitlines()[-2]
 
 
 @pytest.mark.parametrize("devices", [1, 2])

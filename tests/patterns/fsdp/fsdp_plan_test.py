@@ -46,6 +46,7 @@ GOOD = {
     "after": [False, True],
     "has_ys": [False, True],
     "split": [True, False],
+    "moves": [True, False],
 }
 #: Values each setting refuses, and the words its error names it by.
 BAD = {
@@ -120,18 +121,21 @@ def _check(p, kw):
   assert (p.backward[0].compute == "after_back") == kw["after"]
   assert any("before_back" in s.compute for s in p.backward) == kw["before"]
   default_shape = k <= 1 and depth == 1
-  split = kw["split"] and kw["futures"] and n >= 2 and default_shape
+  split = (kw["split"] and kw["futures"] and kw["moves"] and n >= 2
+           and default_shape)
   assert p.forward[0].split == split
   assert bwd[-1].split == (split and not hsdp)
   assert p.fence_inputs == (not default_shape)
   # the last layer in the loops where the default schedule runs in shard_map
   # with one stage and a loop of middle layers to join (3 layers or more):
   # its forward step regathers it (the kept copy), its backward step
-  # reduce-scatters zeros; neither in gathers / scatters
+  # reduce-scatters zeros; over one device also layer 0's backward step,
+  # which regathers layer 0; none in gathers / scatters
   fold = kw["futures"] and default_shape and k == 1 and not hsdp and n >= 3
   again = [s for s in p.steps if s.again]
   assert [(s.compute, s.layer) for s in again] == (
-      [("layer", n - 1), ("layer_back", n - 1)] if fold else [])
+      [("layer", n - 1), ("layer_back", n - 1)] if fold else []) + (
+      [("layer_back", 0)] if fold and not kw["moves"] else [])
   assert all(s.loop for s in again) and all(s.keeps for s in again[:1])
   # every step is in the table, and the notes say why where nothing split
   text = str(p)
@@ -166,9 +170,12 @@ def _check_runs(p, n, fold):
       for r in runs:
         assert not r.loop or r.kind in ("layers", "layers_back")
         assert not r.stacks or (r.loop and name == "forward")
-        assert r.clamp == (r.kind == "layers" and name == "forward" and fold)
+        assert r.clamp == (r.kind == "layers" and fold and (
+                               name == "forward" or not p.moves)
+                           or r.kind == "layers_back" and any(
+                               s.again and s.layer == 0 for s in r.steps))
         for s in r.steps if r.kind in ("layers", "layers_back") else ():
-          if not (s.again and r.kind == "layers"):
+          if not s.again:
             assert tuple(g - s.layer for g in s.gathers) == r.gathers, (r, s)
           if r.kind == "layers":
             assert r.keep == (name == "forward" and s.keeps and not s.again)
@@ -208,7 +215,7 @@ def test_every_combination_is_planned_or_refused_by_name():
       continue
     _check(plan(**kw), kw)
     planned += 1
-  assert planned + refused == 4 * 3 * 5 * 2 ** 7 and refused == 3 * 2 ** 7  # n=1 with 2 kept, each prefetch
+  assert planned + refused == 4 * 3 * 5 * 2 ** 8 and refused == 3 * 2 ** 8  # n=1 with 2 kept, each prefetch
   base = {name: options[0] for name, options in GOOD.items()}
   for name, (values, words) in BAD.items():
     for value in values:

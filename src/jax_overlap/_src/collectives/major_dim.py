@@ -158,7 +158,7 @@ def _psum(params, x):
   """On GPU (quirk "gpu-flat-all-reduce") a rank >= 2 operand is summed as
   one flat buffer, as `_ppermute` sends one, for the same reason (the
   operand a matmul's result: `matmul_psum`); elsewhere as it is."""
-  if x.ndim < 2 or _compat.IN_FLIGHT_LEFT_UNFENCED:
+  if x.ndim < 2 or not _compat.ASYNC_CUSTOM_CALLS:
     return None
   platform, kind = _compat.trace_device()
   if not quirks.applies("gpu-flat-all-reduce", platform, kind):

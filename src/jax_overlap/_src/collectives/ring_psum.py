@@ -72,6 +72,8 @@ def compose(x, axis_name, where: str, scatter_start: Callable,
   start each), or None where `psum_start` keeps its own form: off TPU, a
   vmap axis, several or positional axes, a non-numeric dtype, or a buffer
   the ring would not send in fewer bytes."""
+  if not tpu_forms.wanted("psum"):
+    return None   # before asarray: psum_start's own check names bad operands
   x = jnp.asarray(x)
   if not is_ring(x, axis_name):
     return None

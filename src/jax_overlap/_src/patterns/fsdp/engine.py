@@ -337,6 +337,7 @@ def _layers_back(ex, run, b: _Backward):
                grads)
   piece = b.saved.piece_of(run.steps[0].layer)
   fenced = ex.plan.fence_inputs
+  index = (lambda i: jnp.maximum(i, 0)) if run.clamp else (lambda i: i)
 
   def body(carry, i):
     x_bar, buf, pend, grads = carry
@@ -352,7 +353,7 @@ def _layers_back(ex, run, b: _Backward):
     reduce = pend[1] if run.pending >= 2 else None
     (x_bar, g), got, scattered, reduced = ex.step(
         lambda: ex.layer_back(saved(), w, x_bar), b.params,
-        [i + o for o in run.gathers], scatter=scatter, reduce=reduce)
+        [index(i + o) for o in run.gathers], scatter=scatter, reduce=reduce)
     if ex.plan.stages == 2:
       # scattered: layer i+1's shard, all-reduced at the next step;
       # reduced: layer i+2's final gradient.

@@ -151,19 +151,22 @@ def loop_unroll(unroll: int, p: int) -> int:
 
 
 def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
-         unroll=None, futures: bool = True, hsdp: bool = False,
-         bucket: bool = True, before: bool = False, after: bool = False,
-         has_ys: bool = False, split: bool = True) -> FsdpPlan:
+         unroll=None, futures: bool = True, moves: bool = True,
+         hsdp: bool = False, bucket: bool = True, before: bool = False,
+         after: bool = False, has_ys: bool = False,
+         split: bool = True) -> FsdpPlan:
   """The plan for these settings, or a ValueError/TypeError naming the
-  setting that cannot be run and why. `split`: whether the layer-0 split
-  is wanted (use_order.ENABLED); the plan says where it applies."""
+  setting that cannot be run and why. `moves`: whether a gather moves
+  anything (False: the fsdp axis has one device, transfer.py's `moves`);
+  `split`: whether the layer-0 split is wanted (use_order.ENABLED); the
+  plan says where it applies."""
   if isinstance(n_layers, (bool, np.bool_)) \
       or not isinstance(n_layers, numbers.Integral) or n_layers < 1:
     raise ValueError(f"fsdp_plan(n_layers=...) must be an int >= 1 (the "
                      f"layers of the stack), got {n_layers!r}.")
   for value, name in ((futures, "futures"), (hsdp, "hsdp"), (bucket, "bucket"),
                       (before, "before"), (after, "after"), (has_ys, "has_ys"),
-                      (split, "split")):
+                      (split, "split"), (moves, "moves")):
     check_bool(value, name)
   n = int(n_layers)
   kept = kept_layers(reshard_after_forward, n)
@@ -176,7 +179,7 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
   if prefetch != p:
     notes.append(f"prefetch={prefetch} gathers {p} ahead: no more layers "
                  "are left to gather.")
-  split_fwd = split and futures and n >= 2 and default_shape
+  split_fwd = split and futures and moves and n >= 2 and default_shape
   split_bwd = split_fwd and stages == 1
   if not split:
     notes.append("layer 0's split by use order is off: its weights and its "
@@ -184,6 +187,9 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
   elif not futures:
     notes.append("layer 0 is not split by use order: on an explicit-sharding "
                  "mesh XLA's partitioner makes the collectives.")
+  elif not moves:
+    notes.append("over an axis of one device nothing moves (no collective, "
+                 "no bucket): layer 0 is not split by use order.")
   elif n < 2:
     notes.append("layer 0 is not split by use order: one layer is the first "
                  "and the last.")
@@ -204,10 +210,10 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
   elif hsdp:
     notes.append("HSDP: each layer's gradient is reduce-scattered over the "
                  "fsdp axis, then all-reduced over the replicas one step later.")
-  if bucket and futures:
+  if bucket and futures and moves:
     notes.append("bucket: each transfer moves all of a layer's sharded leaves "
                  "of one dtype in one collective.")
-  elif not bucket and futures:
+  elif not bucket and futures and moves:
     notes.append("bucket=False: one collective per sharded leaf.")
   if has_ys:
     notes.append("has_ys: each layer's y is written into a buffer carried "
@@ -223,6 +229,15 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
                  "it again (the copy the backward pass keeps), its backward "
                  "step reduce-scatters a zero gradient (one copy of the layer "
                  "a pass in the compiled program).")
+  # Layer 0's backward in the loop too (Step.again): where its gathers move
+  # nothing, its step gathers layer 0 again (clamped), as the loop's steps
+  # gather the layer below theirs; each pass then holds the layer once
+  # (each copy outside the loops is compiled again: docs/fsdp.md,
+  # "Compile time").
+  fold_first = fold and not moves
+  if fold_first:
+    notes.append("layer 0's backward runs in the loop: its step gathers "
+                 "layer 0 again (over one device, nothing moves).")
   if fence:
     notes.append("each layer step's inputs are fenced before it starts (this "
                  "schedule holds several gathered layers).")
@@ -257,7 +272,8 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
         reduce=i + 2 if stages == 2 and i < n - 2 else None,
         weights="kept" if i >= regathered else "gathered",
         buffered=backward_buffered(i, n, p, kept),
-        split=split_bwd and i == 0, again=fold and i == n - 1))
+        split=split_bwd and i == 0,
+        again=fold and i == n - 1 or fold_first and i == 0))
   if stages == 2 and n >= 2:
     backward.append(Step("", reduce=1))
   if not split_bwd:
@@ -269,10 +285,10 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
       "forward": _forward_runs(forward, save=True, fold=fold, fence=fence,
                                stacks=stacks),
       "primal": _forward_runs(forward, save=False, fold=fold, fence=fence,
-                              stacks=stacks),
+                              stacks=stacks, moves=moves),
       "backward": _backward_runs(forward, backward)}
   return FsdpPlan(n_layers=n, prefetch=p, kept=kept, unroll=unroll,
-                  futures=futures, stages=stages, bucket=bucket, before=before,
+                  futures=futures, moves=moves, stages=stages, bucket=bucket, before=before,
                   after=after, has_ys=has_ys, forward=forward,
                   backward=backward, runs=passes, notes=notes,
                   fence_inputs=fence)
@@ -326,21 +342,23 @@ def _loops(forward, backward, n: int, fence: bool, stages: int):
 
 
 def _forward_runs(forward, *, save: bool, fold: bool, fence: bool,
-                  stacks: bool) -> tuple:
+                  stacks: bool, moves: bool = True) -> tuple:
   """The runs of the forward pass (`save`: with a gradient, else the
   primal pass). Consecutive layer steps that do the same relative to their
   layer run as one, in one loop where the plan loops them. Without a
   gradient nothing is kept: a fenced schedule's runs then join across the
   kept layers' first step, and loop where longer than one step; the last
-  layer's `again` step runs on its own (nothing to gather again for)."""
+  layer's `again` step runs on its own (nothing to gather again for), but
+  where nothing moves, in the loop (its gather again costs nothing)."""
   entry, *steps = [s for s in forward if s.compute != "after"]
   after = [s for s in forward if s.compute == "after"]
   leave = Run("leave", tuple(after), again=save and fold)
+  again_looped = save or not moves
 
   def signature(s):
     looped = s.loop if save or not fence else None
     if s.again:   # as the loop's steps with a gradient, else on its own
-      return ((1,), s.buffered, False, True) if save else \
+      return ((1,), s.buffered, False, True) if again_looped else \
           ((), s.buffered, False, False)
     return (_offsets(s), s.buffered, save and s.keeps, looped)
 
@@ -350,7 +368,7 @@ def _forward_runs(forward, *, save: bool, fold: bool, fence: bool,
       offsets, _, keep, looped = signature(run[0])
       looped = len(run) > 1 if looped is None else looped
       out.append(Run("layers", tuple(run), loop=looped, gathers=offsets,
-                     keep=keep, clamp=save and fold,
+                     keep=keep, clamp=again_looped and fold,
                      stacks=save and looped and stacks))
     return out
 
@@ -385,15 +403,17 @@ def _backward_runs(forward, backward) -> tuple:
     steps = steps[:-1]
 
   def signature(s):
-    if s.again:
-      return (_offsets(s), 1, "gathered", 1, run_of(s.layer), s.loop)
+    if s.again:   # layer 0's: the layer below, clamped to layer 0
+      offsets = (-1,) if s.layer == 0 else _offsets(s)
+      return (offsets, 1, "gathered", 1, run_of(s.layer), s.loop)
     return (*backward_signature(s, run_of), s.loop)
 
   for run in runs(steps, signature):
     offsets, _, weights, pending, _, looped = signature(run[0])
     out.append(Run("layers_back", tuple(run), loop=looped, gathers=offsets,
                    kept=weights == "kept", pending=pending,
-                   again=run[0].again))
+                   clamp=any(s.again and s.layer == 0 for s in run),
+                   again=run[0].again and run[0].layer != 0))
   if split is not None:
     # One group only: layer 0's backward as its own step, then before's
     # backward with layer 0's reduce-scatter (both named as planned).
@@ -412,12 +432,15 @@ def _offsets(step) -> tuple:
 def fsdp_plan(n_layers: int, *, prefetch: int = 1,
               reshard_after_forward: bool | int = 1, unroll: int | None = None,
               replica_axis=None, bucket: bool = True, before=None, after=None,
-              has_ys: bool = False, shard_map: bool = True) -> FsdpPlan:
+              has_ys: bool = False, shard_map: bool = True,
+              axis_size: int | None = None) -> FsdpPlan:
   """The steps `fsdp_scan` runs with these settings, as a table to read.
 
   Takes `fsdp_scan`'s own settings (`before`/`after`: a function or None, or
   True/False; `replica_axis`: a name for HSDP, or None) and the number of
-  layers; `shard_map=False` plans for an explicit-sharding mesh. Each step
+  layers; `shard_map=False` plans for an explicit-sharding mesh;
+  `axis_size`: the devices along `axis` (None: more than one; over one,
+  nothing moves and the plan runs every layer in the loops). Each step
   names what it computes, which layers' gathers are in flight across it,
   which layer's gradient it reduce-scatters (and, with HSDP, all-reduces),
   where its weights come from and whether it keeps them for the backward
@@ -437,7 +460,9 @@ def fsdp_plan(n_layers: int, *, prefetch: int = 1,
   """
   return plan(n_layers, prefetch=prefetch,
               reshard_after_forward=reshard_after_forward, unroll=unroll,
-              futures=bool(shard_map), hsdp=replica_axis is not None,
+              futures=bool(shard_map),
+              moves=not (shard_map and axis_size == 1),
+              hsdp=replica_axis is not None,
               bucket=bucket, before=_given(before), after=_given(after),
               has_ys=has_ys, split=use_order.ENABLED)
 

@@ -39,8 +39,11 @@ class Step(NamedTuple):
     runs in the loop (one copy of the layer in the compiled program, not
     two): forward, it gathers its own layer again (the copy the backward
     pass keeps, instead of saving the one it used); backward, it
-    reduce-scatters a zero gradient (nothing is pending yet). Neither is
-    in `gathers` / `scatters`: each moves no layer the schedule needs.
+    reduce-scatters a zero gradient (nothing is pending yet). Over an axis
+    of one device, layer 0's backward step too: it gathers layer 0 again
+    (as the loop's steps gather the layer below theirs; nothing moves).
+    None of these is in `gathers` / `scatters`: each moves no layer the
+    schedule needs.
   """
   compute: str
   layer: int | None = None
@@ -97,7 +100,8 @@ class Run(NamedTuple):
     layers_back: each step's gathers relative to its layer.
   keep: layers: each step saves its gathered weights for the backward pass.
   clamp: layers: a gather past the last layer gathers the last (the
-    forward pass's `again` step, and every run of that pass beside it).
+    forward pass's `again` step, and every run of that pass beside it);
+    layers_back: a gather below layer 0 gathers layer 0 (its `again`).
   stacks: layers: each step writes its residuals into stacks carried
     through the loop, inside its compute (else the loop's ys).
   kept: layers_back: the weights are the forward pass's kept copies (else
@@ -140,7 +144,8 @@ class Run(NamedTuple):
              "first from the copy gathered again, a zero gradient pending")
     said += [word for flag, word in (
         (self.keep, "keeps its weights"),
-        (self.clamp, "gathers clamped to the last layer"),
+        (self.clamp, "gathers clamped to the last layer" if self.kind == "layers"
+         else "gathers clamped to layer 0"),
         (self.stacks, "residuals into carried stacks"),
         (self.kept, "kept weights"), (self.again, again),
         (self.pending == 1, "finishes the step before's reduce-scatter"),
@@ -158,6 +163,7 @@ class FsdpPlan:
   unroll: the layers a loop iteration runs.
   futures: the moves are futures (inside `jax.shard_map`), else reshards on
     an explicit-sharding mesh.
+  moves: a gather moves anything (False: the fsdp axis has one device).
   stages: 2 with HSDP's all-reduce over the replicas (futures only), else 1.
   forward, backward: the steps, in the order they run (the table's rows).
   runs: pass name ("forward", "primal": the forward pass without a
@@ -171,11 +177,11 @@ class FsdpPlan:
     backward pass then also reads the stack through a barrier.
   """
 
-  def __init__(self, *, n_layers, prefetch, kept, unroll, futures, stages,
-               bucket, before, after, has_ys, forward, backward, runs, notes,
-               fence_inputs):
+  def __init__(self, *, n_layers, prefetch, kept, unroll, futures, moves,
+               stages, bucket, before, after, has_ys, forward, backward, runs,
+               notes, fence_inputs):
     self.n_layers, self.prefetch, self.kept = n_layers, prefetch, kept
-    self.unroll = unroll
+    self.unroll, self.moves = unroll, moves
     self.futures, self.stages, self.bucket = futures, stages, bucket
     self.before, self.after, self.has_ys = before, after, has_ys
     self.forward, self.backward = tuple(forward), tuple(backward)
@@ -193,7 +199,9 @@ class FsdpPlan:
     rows = []
     for name, steps in (("forward", self.forward), ("backward", self.backward)):
       for k, s in enumerate(steps):
-        again = s.again and name == "forward"
+        # again: the forward step and layer 0's backward step gather their
+        # own layer again, the last layer's backward step scatters zeros
+        again = s.again and (name == "forward" or s.layer == 0)
         rows.append((name, str(k), s.says(),
                      f"{s.layer} again" if again else _layers(s.gathers),
                      "zeros" if s.again and not again else _layers(s.scatters),
@@ -221,6 +229,7 @@ class FsdpPlan:
   def __str__(self) -> str:
     where = ("futures inside jax.shard_map" if self.futures
              else "jax.reshard on an explicit-sharding mesh")
+    where += "" if self.moves else " over one device (nothing moves)"
     title = (f"fsdp_scan plan: {self.n_layers} layers, prefetch={self.prefetch}, "
              f"{self.kept} kept for the backward pass, unroll={self.unroll}, "
              f"{where}" + (", HSDP" if self.stages == 2 else ""))
