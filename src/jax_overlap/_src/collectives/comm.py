@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from jax._src import ad_util
 from jax._src.interpreters import ad
@@ -132,3 +134,31 @@ _TRANSPOSED_NAME = {"all_gather": "psum_scatter", "psum_scatter": "all_gather",
                     "psum": "psum", "all_to_all": "all_to_all",
                     "ppermute": "ppermute",
                     "ragged_all_to_all": "ragged_all_to_all"}
+
+
+class FormSwitch:
+  """A test switch of a module of collective forms: within `forced()`,
+  traces choose the forms on every platform (`on`), or by the device as
+  outside it (`on=False`); how their values are checked on CPU
+  (tests/collectives/tpu_forms_test.py, permute_forms_test.py).
+
+  >>> switch = FormSwitch()
+  >>> with switch.forced():
+  ...   assert switch.is_forced()
+  >>> switch.is_forced()
+  False
+  """
+
+  def __init__(self):
+    self._on = False
+
+  @contextlib.contextmanager
+  def forced(self, on: bool = True):
+    before, self._on = self._on, on
+    try:
+      yield
+    finally:
+      self._on = before
+
+  def is_forced(self) -> bool:
+    return self._on

@@ -139,32 +139,29 @@ def _all_to_all(params, x):
   return jnp.moveaxis(x, s, 0), dict(split_axis=0, concat_axis=0), put_back
 
 
-def _ppermute(params, x):
-  """On GPU (quirk "gpu-flat-permute") a rank >= 2 operand travels as one
-  flat buffer; elsewhere as it is. Only where the future is an async region:
-  on jax without it (`not _compat.ASYNC_CUSTOM_CALLS`) the plain permute
-  holds no layout bitcasts and compiles as it is (jax 0.10.2 and 0.11.0,
-  tests/aot/pipeline_compiled_test.py's lockstep case)."""
-  if x.ndim < 2 or not _compat.ASYNC_CUSTOM_CALLS:
-    return None
-  platform, kind = _compat.trace_device()
-  if not quirks.applies("gpu-flat-permute", platform, kind):
-    return None
-  shape = x.shape
-  return x.reshape(-1), {}, lambda y: y.reshape(shape)
+def _flat_where(quirk: str):
+  """The plan of a collective whose rank >= 2 operand travels as one flat
+  buffer on GPU (quirk `quirk`), elsewhere as it is. Only where the future
+  is an async region: on jax without it (`not _compat.ASYNC_CUSTOM_CALLS`)
+  the plain collective holds no layout bitcasts and compiles as it is (jax
+  0.10.2 and 0.11.0, tests/aot/pipeline_compiled_test.py's lockstep case)."""
+  def plan(params, x):
+    del params
+    if x.ndim < 2 or not _compat.ASYNC_CUSTOM_CALLS:
+      return None
+    platform, kind = _compat.trace_device()
+    if not quirks.applies(quirk, platform, kind):
+      return None
+    shape = x.shape
+    return x.reshape(-1), {}, lambda y: y.reshape(shape)
+  return plan
 
 
-def _psum(params, x):
-  """On GPU (quirk "gpu-flat-all-reduce") a rank >= 2 operand is summed as
-  one flat buffer, as `_ppermute` sends one, for the same reason (the
-  operand a matmul's result: `matmul_psum`); elsewhere as it is."""
-  if x.ndim < 2 or not _compat.ASYNC_CUSTOM_CALLS:
-    return None
-  platform, kind = _compat.trace_device()
-  if not quirks.applies("gpu-flat-all-reduce", platform, kind):
-    return None
-  shape = x.shape
-  return x.reshape(-1), {}, lambda y: y.reshape(shape)
+#: A permute (quirk "gpu-flat-permute") and a psum, whose operand is a
+#: matmul's result in `matmul_psum` (quirk "gpu-flat-all-reduce"), for the
+#: same reason.
+_ppermute = _flat_where("gpu-flat-permute")
+_psum = _flat_where("gpu-flat-all-reduce")
 
 
 _PLANS = {"all_gather": _all_gather, "psum_scatter": _psum_scatter,

@@ -44,7 +44,6 @@ that XLA's CSE keeps them apart (collectives/lowering.py;
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -59,6 +58,7 @@ from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 
 from jax_overlap._src import _compat, quirks
+from jax_overlap._src.collectives import comm as comm_lib
 from jax_overlap._src.collectives.comm import Comm, one_bound_axis, trace_sync
 from jax_overlap._src.collectives.composed import ComposedFuture
 from jax_overlap._src.collectives.future import Future, FutureState
@@ -72,30 +72,9 @@ traceback_util.register_exclusion(__file__)
 KINDS = quirks.kinds("tpu-permute-forms")
 COLLECTIVES = ("all_gather", "psum_scatter")
 
-_forced = False
-
-
-@contextlib.contextmanager
-def forced(on: bool = True):
-  """Within it, traces choose the forms on every platform (`on`), or by the
-  device as outside it (`on=False`): how their values are checked on CPU.
-
-  >>> with forced():
-  ...   assert is_forced()
-  >>> is_forced()
-  False
-  """
-  global _forced
-  before, _forced = _forced, on
-  try:
-    yield
-  finally:
-    _forced = before
-
-
-def is_forced() -> bool:
-  """Whether traces choose the forms on every platform (`forced`)."""
-  return _forced
+#: Test switch: `with forced(): ...` chooses the forms on every platform.
+_SWITCH = comm_lib.FormSwitch()
+forced, is_forced = _SWITCH.forced, _SWITCH.is_forced
 
 
 def wanted(name: str) -> bool:
@@ -103,7 +82,7 @@ def wanted(name: str) -> bool:
   (quirks "tpu-permute-forms", "tpu-plain-permute-gathers")."""
   if name not in COLLECTIVES:
     return False
-  if _forced:
+  if is_forced():
     return True
   platform, kind = _compat.trace_device()
   if name == "all_gather" and not _compat.ASYNC_CUSTOM_CALLS and \
@@ -179,7 +158,7 @@ def compose(name: str, params: dict, x, where: str, *, invariant=False,
   if bound is None:
     return None
   axis, n = bound
-  if not _forced and axis not in _mesh_axes():
+  if not is_forced() and axis not in _mesh_axes():
     return None   # a vmap axis: the plain future
   if n < 2 or x.size == 0:
     return None

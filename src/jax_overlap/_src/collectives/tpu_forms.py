@@ -39,7 +39,6 @@ gradients on CPU with `forced()`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -59,35 +58,14 @@ FORM_ATTR = "jax_overlap.tpu_form"
 EVERY_TPU = frozenset({"psum_scatter", "psum", "all_to_all"})
 
 
-_forced = False
-
-
-@contextlib.contextmanager
-def forced(on: bool = True):
-  """Within it, traces choose the forms on every platform (`on`), or by the
-  device as outside it (`on=False`): how their values are checked on CPU.
-
-  >>> with forced():
-  ...   assert is_forced()
-  >>> is_forced()
-  False
-  """
-  global _forced
-  before, _forced = _forced, on
-  try:
-    yield
-  finally:
-    _forced = before
-
-
-def is_forced() -> bool:
-  """Whether traces choose the forms on every platform (`forced`)."""
-  return _forced
+#: Test switch: `with forced(): ...` chooses the forms on every platform.
+_SWITCH = comm_lib.FormSwitch()
+forced, is_forced = _SWITCH.forced, _SWITCH.is_forced
 
 
 def wanted(name: str) -> bool:
   """Whether a future of collective `name` started now gets its TPU form."""
-  if _forced:
+  if is_forced():
     return name in EVERY_TPU or name == "all_gather"
   platform, kind = _compat.trace_device()
   if name in EVERY_TPU:
