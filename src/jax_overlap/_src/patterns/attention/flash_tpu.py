@@ -140,6 +140,27 @@ def _seen(mask: Mask, q_start, k_start, shape, q_axis: int, q_seg, k_seg):
   return out
 
 
+def _scores(a, b, scale: float, masked: bool, mask: Mask, i, j, q_axis: int,
+            q_seg_ref, k_seg_ref):
+  """`a @ b.T * scale` in float32 for query block `i` and key block `j`, the
+  keys `mask` hides set to MASKED where `masked`: queries along axis `q_axis`
+  of the scores (0: (queries, keys), the forward and dq kernels; 1: (keys,
+  queries), the dk/dv kernel), the segment ids broadcast along the lanes of
+  their side. The three kernels' scores are this one function (their Mosaic
+  text is what it was when each wrote its own: flash_tpu_test's values)."""
+  s = jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32) * scale
+  if not masked:
+    return s
+  if q_seg_ref is None:
+    seg = (None, None)
+  elif q_axis == 0:
+    seg = (_lanes(q_seg_ref[...], s.shape[1]), k_seg_ref[...])
+  else:
+    seg = (q_seg_ref[...], _lanes(k_seg_ref[...], s.shape[1]))
+  q_start, k_start = i * s.shape[q_axis], j * s.shape[1 - q_axis]
+  return jnp.where(_seen(mask, q_start, k_start, s.shape, q_axis, *seg), s, MASKED)
+
+
 def _step(mask: Mask, q_start, k_start, bq: int, bk: int, segmented: bool,
           body):
   """Runs `body(masked)` for a block that has keys to see: with the mask
@@ -180,12 +201,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref,
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
   def body(masked: bool):
-    s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT,
-                            preferred_element_type=jnp.float32) * scale
-    if masked:
-      seg = (None, None) if q_seg_ref is None else (
-          _lanes(q_seg_ref[...], bk), k_seg_ref[...])
-      s = jnp.where(_seen(mask, i * bq, j * bk, s.shape, 0, *seg), s, MASKED)
+    s = _scores(q_ref[...], k_ref[...], scale, masked, mask, i, j, 0,
+                q_seg_ref, k_seg_ref)
     m_prev = m_scr[...]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - _lanes(m_next, bk))
@@ -226,12 +243,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     delta_scr[...] = _row_to_col(delta_ref[...])
 
   def body(masked: bool):
-    s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT,
-                            preferred_element_type=jnp.float32) * scale
-    if masked:
-      seg = (None, None) if q_seg_ref is None else (
-          _lanes(q_seg_ref[...], bk), k_seg_ref[...])
-      s = jnp.where(_seen(mask, i * bq, j * bk, s.shape, 0, *seg), s, MASKED)
+    s = _scores(q_ref[...], k_ref[...], scale, masked, mask, i, j, 0,
+                q_seg_ref, k_seg_ref)
     p = jnp.exp(s - _lanes(lse_scr[...], bk))
     dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT,
                              preferred_element_type=jnp.float32)
@@ -264,12 +277,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
   def body(masked: bool):
     q = q_ref[...]
-    s = jax.lax.dot_general(k_ref[...], q, _NT,
-                            preferred_element_type=jnp.float32) * scale
-    if masked:
-      seg = (None, None) if q_seg_ref is None else (
-          q_seg_ref[...], _lanes(k_seg_ref[...], bq))
-      s = jnp.where(_seen(mask, i * bq, j * bk, s.shape, 1, *seg), s, MASKED)
+    s = _scores(k_ref[...], q, scale, masked, mask, i, j, 1,
+                q_seg_ref, k_seg_ref)
     p = jnp.exp(s - lse_ref[...])
     do = do_ref[...]
     dv_scr[...] += jax.lax.dot(p.astype(do.dtype), do,
