@@ -34,6 +34,30 @@ if (not any(importlib.util.find_spec(m) for m in ("libtpu", "jax_cuda12_plugin")
     and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
 
+# The CUDA plugin of jax >= 0.12 (tests/aot, .venv-aot) runs XLA's fusion autotuner
+# even with no GPU (its `config-assigner` pass): it compiles each loop fusion of the
+# module alone, through LLVM and ptxas, to pick the native emitter's unroll factor, and
+# that is half of an H100 compile's CPU time (pipeline_compiled_test's lockstep tp
+# program: 164 -> 86 CPU s). Off, the scheduled module is the same instructions in the
+# same order; only those fusions' `native_emitter_backend_config` annotations are gone
+# (compared line by line with them stripped). The older jax's plugins have no such pass
+# and keep XLA's defaults, as the TPU compiler does (the flag is GPU-only).
+_NO_FUSION_AUTOTUNER = "--xla_gpu_experimental_enable_fusion_autotuner=false"
+
+
+def _cuda_plugin_at_least(version: tuple[int, ...]) -> bool:
+  from importlib import metadata  # noqa: PLC0415
+  try:
+    found = metadata.version("jax-cuda12-plugin")
+  except metadata.PackageNotFoundError:
+    return False
+  return tuple(int(p) for p in re.findall(r"\d+", found)[:len(version)]) >= version
+
+
+if (_cuda_plugin_at_least((0, 12))
+    and "xla_gpu_experimental_enable_fusion_autotuner" not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_NO_FUSION_AUTOTUNER}".strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
