@@ -23,7 +23,7 @@ from jax import lax
 import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
-from jax_overlap._src.ordering import compiled_order
+from jax_overlap._src.xla import compiled_order
 
 import lowered
 

@@ -313,7 +313,7 @@ def _jax_async_collectives_use_custom_calls() -> bool:
 #: refuse the async region, 'vhlo.async_start_v1'), a future's start is the
 #: plain collective, and an ordered block keeps its result out of the
 #: barriers until its done: XLA's own async conversion then splits it around
-#: the written work (collectives/lowering.py, ordering/barriers.py; pinned by
+#: the written work (xla/futures.py, ordering/barriers.py; pinned by
 #: tests/aot/real_compilers_test.py::test_future_is_an_async_pair_around_the_matmul
 #: on the older jax).
 ASYNC_CUSTOM_CALLS = _jax_async_collectives_use_custom_calls()

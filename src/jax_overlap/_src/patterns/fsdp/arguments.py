@@ -222,7 +222,7 @@ def _explicit_futures_here() -> bool:
   (v5e) or N-1 permutes (v5p, collectives/permute_forms.py; not a
   generation where `all_gather_start` takes its all-to-all form), with a
   jax that lowers a future as one (0.12). Elsewhere they are reshards:
-  tied into their step on GPU (ordering/gpu_ties.py), left to XLA with older
+  tied into their step on GPU (xla/gpu_ties.py), left to XLA with older
   jax (whose plugin cannot take a future), blocking on CPU anyway."""
   platform, _ = _compat.trace_device()
   return (platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS
@@ -233,7 +233,7 @@ def _explicit_futures_here() -> bool:
 def _say_explicit_mesh_is_not_prefetched() -> None:
   """Where the moves stay `jax.reshard`s (not `_explicit_futures_here`) and
   the trace targets TPU, say once that XLA's partitioner schedules them:
-  TPU has no ties for them (GPU's, ordering/gpu_ties.py, keep them in their
+  TPU has no ties for them (GPU's, xla/gpu_ties.py, keep them in their
   step), and the TPU compilers overlapped few (docs/compilers.md, the
   explicit-mesh column). CPU and GPU stay silent. Pinned by
   fsdp_explicit_warning_test.py."""

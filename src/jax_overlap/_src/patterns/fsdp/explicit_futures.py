@@ -14,7 +14,7 @@ spans the layer's matmuls: every layer's gather but the first, and every
 layer's reduce-scatter but the last, has a matmul in flight
 (real_compilers_test.py::test_fsdp_scan_on_an_explicit_mesh, v5e and v5p).
 The done finds its start across the two shard_maps by the pair its start
-recorded (collectives/lowering.py).
+recorded (xla/futures.py).
 
 Chosen where the trace targets a TPU whose all-gather is a plain async pair
 (v5e) or N-1 permutes (v5p, collectives/permute_forms.py), with a jax that

@@ -22,7 +22,7 @@ returns `(compute(), gathered, scattered)`.
   is used as it is. These are not futures; the step is an ordered block
   holding one free block with the reshards and the compute, which XLA's
   scheduler may overlap; on GPU the step's inputs and outputs are tied
-  (ordering/gpu_ties.py) so that it keeps each step's collectives in the step.
+  (xla/gpu_ties.py) so that it keeps each step's collectives in the step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from jax_overlap._src.collectives.api import (all_gather_start,
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
-from jax_overlap._src.ordering import gpu_ties
+from jax_overlap._src.xla import gpu_ties
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
@@ -408,7 +408,7 @@ class ReshardTransfer:
       def together():
         # The values `compute` reads, as arguments: they are tied with the
         # shards and gradients to move, and its outputs with the moved ones
-        # (ordering/gpu_ties.py: on GPU that keeps each step's collectives in
+        # (xla/gpu_ties.py: on GPU that keeps each step's collectives in
         # it, where XLA would combine them all outside the loop).
         run, inputs = jax.closure_convert(compute)
         shards, grads, inputs = gpu_ties.tie((gather, scatter, inputs))

@@ -10,9 +10,9 @@ by tests/ordering/compile_hook_test.py (in a fresh process).
 
 What it does for a module the library owns:
 - `options` hooks add XLA options to its compile (the user's
-  `compiler_options` win): `ordering/compile_options.py`;
+  `compiler_options` win): `compile_options.py`;
 - on a CPU compiler that drops barriers before scheduling, the barriers are
-  kept (`keep_cpu_order`, set by `ordering/compiled_order.py`);
+  kept (`keep_cpu_order`, set by `compiled_order.py`);
 - `retry` hooks may rewrite a module the backend refused and have it
   compiled once more.
 """

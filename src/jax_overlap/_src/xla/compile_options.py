@@ -41,7 +41,7 @@ holding several such futures:
 
 * on v5e (quirks.py, "tpu-forms-in-flight"), each form's start is tied after
   the all-to-all finished before it in its block
-  (`lowering.chain_form_starts`): lowering ties those it lowers into one
+  (`form_rewrites.chain_form_starts`): lowering ties those it lowers into one
   block, but jax lowers each step of an unrolled scan apart, and the
   compiler refuses fsdp_scan's backward untied. Tied, each reduce-scatter
   but the last has a matmul in flight (tests/aot/tpu_forms_compiled_test.py::
@@ -61,7 +61,7 @@ holding several such futures:
   scalar).
 
 A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
-(`ordering/gpu_ties.py`) gets the GPU bound raised to the number of
+(`gpu_ties.py`) gets the GPU bound raised to the number of
 ties (two a step), as if each were a start: a backward step has the
 partitioner's gather and reduce-scatter in flight at once. It also gets
 `xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
@@ -82,9 +82,10 @@ from typing import Any
 
 from jax._src.lib.mlir import ir
 
-from jax_overlap._src import _compat, compile_hook, quirks
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives import not_async
-from jax_overlap._src.ordering import gpu_ties
+from jax_overlap._src.ordering import block_collectives
+from jax_overlap._src.xla import compile_hook, form_rewrites, gpu_ties
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
@@ -209,7 +210,7 @@ def fenced_sync_collectives(computation) -> list[str]:
   feeding an `optimization_barrier` and either reading one's result, as every
   collective inside an ordered block does (barriers.py fences the outputs of
   one that ends a block), or, where it starts the block and reads the block's
-  inputs, bound in `not_async.FENCED_SCOPE`. One that only reads a block's
+  inputs, bound in `block_collectives.FENCED_SCOPE`. One that only reads a block's
   result, after it, is left to XLA and not said; nor is a future that had to
   be lowered synchronously (it was said already); nor one with work beside it
   between its fences (`_has_company`: a collective in a free block,
@@ -222,7 +223,7 @@ def fenced_sync_collectives(computation) -> list[str]:
     if (op.name in _SYNC_COLLECTIVES
         and not_async.SYNC_FUTURE_ATTR not in op.attributes
         and _compat.IN_FLIGHT_ATTR not in op.attributes
-        and (not_async.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
+        and (block_collectives.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
         and _feeds_a_barrier(op) and not _has_company(op)):
       found.append(_SYNC_COLLECTIVES[op.name])
     return ir.WalkResult.ADVANCE
@@ -257,7 +258,7 @@ def _options_for(computation, platform: str, user_options, *,
     wanted[TPU_EXPERIMENTAL_SCHEDULER] = True
   if (platform in _GPU_PLATFORMS and _holds_plain_futures(computation)
       and quirks.applies("gpu-plain-future", platform)):
-    # jax < 0.12: the futures are plain collectives (collectives/lowering.py),
+    # jax < 0.12: the futures are plain collectives (futures.py),
     # which XLA's combiners merge when nothing orders them (fsdp_scan's first
     # step starts layer 0's and layer 1's gathers together: one gather, done
     # before the first matmul); each stays the future it was written as.
@@ -352,16 +353,14 @@ def _form_count(computation) -> int:
 
 def _chain_forms(computation) -> None:
   """Each TPU-form start tied after the all-to-all finished before it
-  (`lowering.chain_form_starts`): libtpu then keeps them one at a time."""
-  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  (`form_rewrites.chain_form_starts`): libtpu then keeps them one at a time."""
   with computation.context:
-    lowering.chain_form_starts(computation)
+    form_rewrites.chain_form_starts(computation)
 
 
 def _finish_forms_at_once(computation, device_kind) -> None:
-  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
   with computation.context:
-    done = lowering.finish_form_starts_at_once(computation)
+    done = form_rewrites.finish_form_starts_at_once(computation)
   if done:
     not_async.warn_once("tpu:several-all-to-alls", (
         f"{done} futures on tpu ({device_kind or 'unknown generation'}) in one "
@@ -389,10 +388,9 @@ def _finish_forms_when_refused(computation, platform, error) -> bool:
   starts, to be compiled again. Any other failure is left as it is."""
   if platform != "tpu" or not refused_for_two_all_to_alls(error):
     return False
-  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
   try:
     with computation.context:
-      done = lowering.finish_form_starts_at_once(computation)
+      done = form_rewrites.finish_form_starts_at_once(computation)
   except AttributeError:  # not an MLIR module
     return False
   if not done:
