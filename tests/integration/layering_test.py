@@ -22,8 +22,9 @@ MODULES = sorted((SRC / "jax_overlap" / "_src").rglob("*.py"))
 #: layer and those below. Keys are folders (or top-level modules) of `_src`,
 #: or single modules placed apart from their folder.
 LAYERS = [
-    # version differences; how our primitives run in an eager shard_map
-    {"_compat", "eager_shard_map"},
+    # version differences (and the probes that find some); how our
+    # primitives run in an eager shard_map
+    {"_compat", "probes", "eager_shard_map"},
     # program_order while tracing: the primitive, its rules, the barriers
     {"ordering"},
     # the futures while tracing (and the table of compiler quirks they and

@@ -13,7 +13,7 @@ import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
-from jax_overlap._src.xla import compile_options
+from jax_overlap._src.xla import compile_options, module_marks
 
 P = jax.P if hasattr(jax, "P") else jax.sharding.PartitionSpec
 needs_split_pairs = pytest.mark.skipif(
@@ -64,7 +64,7 @@ def test_overlap_limits_for_each_platform():
 @needs_split_pairs
 def test_module_with_futures_gets_the_limit_and_the_users_option_wins():
   module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
-  assert _compat.async_collective_starts(module) == {"all-gather": 2}
+  assert module_marks.async_collective_starts(module) == {"all-gather": 2}
   assert compile_options._options_for(module, "cuda", {}) == {
       compile_options.GPU_OVERLAP_LIMIT: 2}
   assert compile_options._options_for(
@@ -80,7 +80,7 @@ def test_plain_futures_get_the_combiners_off():
   # combiners off (tests/aot/ shows what it changes on the H100 and A100
   # compilers; docs/compilers.md).
   module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
-  assert _compat.async_collective_starts(module) == {"all-gather": 2}
+  assert module_marks.async_collective_starts(module) == {"all-gather": 2}
   assert compile_options._options_for(module, "cuda", {}) == {
       compile_options.GPU_OVERLAP_LIMIT: 2,
       **{k: 1 for k in compile_options.GPU_COMBINE_THRESHOLDS},
@@ -106,7 +106,7 @@ def test_v5p_permute_futures_get_libtpus_experimental_scheduler():
   # in flight across the next step's matmuls (without it, measured: 4 of 6
   # with one a weight, 2 of 3 with one weight over 4 layers; tests/aot/).
   module = _lowered(_two_ppermutes, "tpu", jnp.ones(8)).compiler_ir()
-  assert _compat.async_collective_starts(module) == {"collective-permute": 2}
+  assert module_marks.async_collective_starts(module) == {"collective-permute": 2}
   assert compile_options._options_for(module, "tpu", {}, device_kind="TPU v5") == {
       compile_options.TPU_PERMUTE_LIMIT: 2,
       compile_options.TPU_EXPERIMENTAL_SCHEDULER: True}

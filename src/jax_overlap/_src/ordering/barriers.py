@@ -40,7 +40,7 @@ from jax._src import core
 from jax._src.pjit import jit_p
 
 from jax_overlap._src import _compat
-from jax_overlap._src.ordering import block_collectives
+from jax_overlap._src.ordering import barrier_op, block_collectives
 from jax_overlap._src.ordering.primitive import is_free_block
 
 
@@ -83,7 +83,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   write(jaxpr.constvars, _compat.jaxpr_consts(closed))
   args = list(args)
   if strict_in and args:
-    args = _compat.barrier(args)
+    args = barrier_op.barrier(args)
   write(jaxpr.invars, args)
 
   # `prev` stands for the equation A before B: the outputs B is fenced
@@ -141,10 +141,10 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
 
   if (prev_eqn is not None and len(jaxpr.eqns) > 1 and prev_vals
       and block_collectives.is_synchronous(prev_eqn.primitive.name)):
-    write(prev.outvars, _compat.barrier(prev_vals))
+    write(prev.outvars, barrier_op.barrier(prev_vals))
   outs = [read(v) for v in jaxpr.outvars]
   if strict_out and outs:
-    outs = _compat.barrier(outs)
+    outs = barrier_op.barrier(outs)
   return outs
 
 
@@ -179,7 +179,7 @@ def _constant(atom):
 def _fence_with_token(prev, prev_vals, token, in_flight):
   """A's outputs (but those in flight) and a new token, through one barrier."""
   tied = [i for i, v in enumerate(prev.outvars) if v not in in_flight]
-  *fenced, token = _compat.barrier([*(prev_vals[i] for i in tied), token])
+  *fenced, token = barrier_op.barrier([*(prev_vals[i] for i in tied), token])
   prev_vals = list(prev_vals)
   for i, x in zip(tied, fenced):
     prev_vals[i] = x
@@ -193,7 +193,7 @@ def _fence_together(prev, prev_vals, eqn, invals, literal, in_flight):
   kept = [i for i, v in enumerate(prev.outvars)
           if v not in consumed and v not in in_flight]
   fed = [i for i, lit in enumerate(literal) if not lit]
-  fenced = _compat.barrier([*(prev_vals[i] for i in kept),
+  fenced = barrier_op.barrier([*(prev_vals[i] for i in kept),
                             *(invals[i] for i in fed)])
   kept_vals, fed_vals = fenced[:len(kept)], fenced[len(kept):]
   prev_vals, invals = list(prev_vals), list(invals)
@@ -217,5 +217,5 @@ def _fence_each_input(prev, prev_vals, eqn, invals, fenced, in_flight):
     if v in made_by_prev:
       invals[k] = prev_vals[made_by_prev[v]]
     else:
-      _, invals[k] = _compat.barrier([token, invals[k]])
+      _, invals[k] = barrier_op.barrier([token, invals[k]])
   return list(prev_vals), invals

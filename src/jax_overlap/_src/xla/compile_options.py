@@ -85,7 +85,7 @@ from jax._src.lib.mlir import ir
 from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives import not_async
 from jax_overlap._src.ordering import block_collectives
-from jax_overlap._src.xla import compile_hook, form_rewrites, gpu_ties
+from jax_overlap._src.xla import compile_hook, form_rewrites, gpu_ties, module_marks
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
@@ -222,7 +222,7 @@ def fenced_sync_collectives(computation) -> list[str]:
   def visit(op):
     if (op.name in _SYNC_COLLECTIVES
         and not_async.SYNC_FUTURE_ATTR not in op.attributes
-        and _compat.IN_FLIGHT_ATTR not in op.attributes
+        and module_marks.IN_FLIGHT_ATTR not in op.attributes
         and (block_collectives.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
         and _feeds_a_barrier(op) and not _has_company(op)):
       found.append(_SYNC_COLLECTIVES[op.name])
@@ -246,7 +246,7 @@ def _options_for(computation, platform: str, user_options, *,
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
-  starts = _compat.async_collective_starts(computation)
+  starts = module_marks.async_collective_starts(computation)
   ties = _explicit_fsdp_ties(computation) if platform in _GPU_PLATFORMS else 0
   if ties:
     # fsdp_scan on an explicit mesh: each tied step may have a gather and a
@@ -292,10 +292,10 @@ def _options_for(computation, platform: str, user_options, *,
 
 def _holds_plain_futures(computation) -> bool:
   """Whether the module holds a future's plain collective
-  (`_compat.IN_FLIGHT_ATTR`, jax < 0.12)."""
+  (`module_marks.IN_FLIGHT_ATTR`, jax < 0.12)."""
   if _compat.ASYNC_CUSTOM_CALLS:
     return False
-  return _holds(computation, lambda op: _compat.IN_FLIGHT_ATTR in op.attributes)
+  return module_marks.holds(computation, lambda op: module_marks.IN_FLIGHT_ATTR in op.attributes)
 
 
 #: The MLIR collectives (and ragged all-to-all's custom call) XLA runs.
@@ -304,40 +304,23 @@ _COLLECTIVE_OPS = (*_SYNC_COLLECTIVES, "stablehlo.collective_broadcast")
 
 def _only_future_collectives(computation) -> bool:
   """Whether every collective of the module is a future's plain collective
-  (`_compat.IN_FLIGHT_ATTR`, jax < 0.12): none is XLA's or the user's own."""
+  (`module_marks.IN_FLIGHT_ATTR`, jax < 0.12): none is XLA's or the user's own."""
   def xlas_own(op):
     if op.name == "stablehlo.custom_call":
       return "ragged_all_to_all" in str(op.attributes["call_target_name"])
-    return op.name in _COLLECTIVE_OPS and _compat.IN_FLIGHT_ATTR not in op.attributes
-  return _holds_plain_futures(computation) and not _holds(computation, xlas_own)
+    return op.name in _COLLECTIVE_OPS and module_marks.IN_FLIGHT_ATTR not in op.attributes
+  return _holds_plain_futures(computation) and not module_marks.holds(computation, xlas_own)
 
 
 def _holds_plain_all_reduce(computation) -> bool:
   """Whether the module holds a `psum_start`'s plain all-reduce (jax < 0.12)."""
-  return _holds(computation, lambda op: op.name == "stablehlo.all_reduce"
-                and _compat.IN_FLIGHT_ATTR in op.attributes)
+  return module_marks.holds(computation, lambda op: op.name == "stablehlo.all_reduce"
+                and module_marks.IN_FLIGHT_ATTR in op.attributes)
 
 
 def _holds_a_loop(computation) -> bool:
   """Whether the module holds a `stablehlo.while`."""
-  return _holds(computation, lambda op: op.name == "stablehlo.while")
-
-
-def _holds(computation, match) -> bool:
-  """Whether an op of the MLIR module satisfies `match` (False for anything
-  that is not an MLIR module)."""
-  found = []
-
-  def visit(op):
-    if match(op):
-      found.append(op)
-      return ir.WalkResult.INTERRUPT
-    return ir.WalkResult.ADVANCE
-  try:
-    computation.operation.walk(visit)
-  except AttributeError:  # not an MLIR module
-    return False
-  return bool(found)
+  return module_marks.holds(computation, lambda op: op.name == "stablehlo.while")
 
 
 def _explicit_fsdp_ties(computation) -> int:
@@ -346,7 +329,7 @@ def _explicit_fsdp_ties(computation) -> int:
 
 def _form_count(computation) -> int:
   try:
-    return _compat.async_collective_starts(computation).get("all-to-all", 0)
+    return module_marks.async_collective_starts(computation).get("all-to-all", 0)
   except Exception:  # noqa: BLE001 - not an MLIR module
     return 0
 

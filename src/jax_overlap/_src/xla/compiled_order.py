@@ -18,7 +18,7 @@ from jax._src import core
 
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.primitives import collective_start_p
-from jax_overlap._src.xla import compile_hook, futures
+from jax_overlap._src.xla import compile_hook, futures, module_marks
 
 #: Set JAX_OVERLAP_KEEP_CPU_ORDER=0 to compile ordered CPU programs as XLA
 #: would by itself (then the order is not kept there, and we warn).
@@ -45,7 +45,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def note_ordered_block(ctx, body) -> None:
   """Called while an ordered block is lowered by its MLIR rule (jax < 0.12)."""
-  _compat.mark_module_ordered(ctx.module_context)
+  module_marks.mark_module_ordered(ctx.module_context)
   platforms = tuple(ctx.module_context.platforms or ())
   if "cpu" in platforms and not _CPU_KEEPER_INSTALLED:
     _warn_once("cpu", (

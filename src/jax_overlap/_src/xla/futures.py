@@ -14,7 +14,7 @@ collective op it produces into an async pair:
   finished values.
 * GPU/TPU on jax without the custom-call form (`not _compat.ASYNC_CUSTOM_CALLS`;
   the plugins refuse the async region, 'vhlo.async_start_v1'): the start
-  emits the plain collective, marked `_compat.IN_FLIGHT_ATTR`, and the done
+  emits the plain collective, marked `module_marks.IN_FLIGHT_ATTR`, and the done
   is the identity; an ordered block keeps the start's result out of its
   barriers until the done (ordering/barriers.py), so XLA's own async
   conversion splits the collective around the written work (quirks
@@ -61,17 +61,8 @@ from jax_overlap._src.collectives.comm import Comm
 from jax_overlap._src.collectives.misuse import check_finished
 from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p)
-from jax_overlap._src.xla import all_to_all_slots, compile_hook, form_rewrites
-
-
-# op name in StableHLO -> the name XLA's async custom calls use.
-_ASYNC_NAME = {
-    "stablehlo.all_gather": "all-gather",
-    "stablehlo.all_reduce": "all-reduce",
-    "stablehlo.reduce_scatter": "reduce-scatter",
-    "stablehlo.all_to_all": "all-to-all",
-    "stablehlo.collective_permute": "collective-permute",
-}
+from jax_overlap._src.xla import all_to_all_slots, compile_hook, form_rewrites, module_marks
+from jax_overlap._src.xla.module_marks import ASYNC_NAME
 
 
 #: The key of the pairs started in a module, in its lowering cache.
@@ -149,8 +140,8 @@ _TPU_KEEPS_SYNC = {
 
 
 def _mark_in_flight(ctx, op, comm: Comm) -> None:
-  op.attributes[_compat.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
-  name = _ASYNC_NAME[op.name]
+  op.attributes[module_marks.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
+  name = ASYNC_NAME[op.name]
   shard = comm.in_aval
   if name == "all-gather" and "tpu" in _platforms(ctx) and \
       shard.size * shard.dtype.itemsize < quirks.SMALL_PLAIN_TPU_GATHER_BYTES:
@@ -263,7 +254,7 @@ def _mark_sync_collectives(value, stop):
     if id(op) in seen or len(seen) > 64:
       continue
     seen.add(id(op))
-    if op.name in _ASYNC_NAME:
+    if op.name in ASYNC_NAME:
       op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
     frontier.extend(op.operands)
 
@@ -282,7 +273,7 @@ def _sync_on_this_platform(ctx, op) -> bool:
   platforms = _platforms(ctx)
   if "tpu" not in platforms:
     return False
-  name = _ASYNC_NAME[op.name]
+  name = ASYNC_NAME[op.name]
   why = None
   if name == "reduce-scatter":
     why = ("an async reduce-scatter crashes the TPU compiler (SIGSEGV in "
@@ -319,7 +310,7 @@ def _defining_op(y):
 
 def _collective_op(y):
   op = _defining_op(y)
-  if op is None or op.name not in _ASYNC_NAME or len(op.results) != 1:
+  if op is None or op.name not in ASYNC_NAME or len(op.results) != 1:
     return None
   return op
 
@@ -428,7 +419,7 @@ def _reducer_func(ctx, op) -> str:
 
 
 def _to_custom_call_pair(ctx, op, comm, *, split):
-  name = _ASYNC_NAME[op.name]
+  name = ASYNC_NAME[op.name]
   cfg = _async_config(ctx, op, comm)
   called = []
   if op.name in ("stablehlo.all_reduce", "stablehlo.reduce_scatter"):
@@ -537,7 +528,7 @@ def _find_start(value):
       return None, None
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     if target.endswith("-start") and target[:-len("-start")] in \
-        _ASYNC_NAME.values():
+        ASYNC_NAME.values():
       return target[:-len("-start")], op
     return None, None
 
