@@ -254,7 +254,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
                hsdp=replica_axis is not None,
                bucket=bucket, before=before is not None,
                after=after is not None, has_ys=has_ys,
-               split=use_order.ENABLED)
+               split=use_order.split_wanted())
   ends = None if before is None and after is None else \
       StackEnds(before, after, x)
   x_in, x = x, (x if ends is None else ends.stack_input)

@@ -32,6 +32,7 @@ the stack's ends run as before.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -45,13 +46,39 @@ from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.transfer import _finish
 from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
 
-#: The split is on by default (chosen by measurement, docs/fsdp.md); the
-#: benchmark turns it off to measure the stack's ends as one collective.
-ENABLED = True
+#: Whether fsdp_scan plans the split: on, but within `layer_0_whole()`.
+_SPLIT = [True]
 
 #: Equations that are compute worth hiding a transfer behind.
 _HEAVY = frozenset({"dot_general", "conv_general_dilated", "ragged_dot",
                     "ragged_dot_general"})
+
+
+@contextlib.contextmanager
+def layer_0_whole():
+  """Within it, `fsdp_scan` moves layer 0's weights whole (one bucket, like
+  every other layer's), not split by use order.
+
+  The split is on by default (chosen by measurement, docs/fsdp.md); this is
+  the benchmarks' and tests' switch to measure or count the stack's ends as
+  one collective (tests/patterns/fsdp/fsdp_knobs_test.py, benchmarks/
+  bench_fsdp_knobs.py). Read when fsdp_scan is traced.
+
+  >>> with layer_0_whole():
+  ...   assert not split_wanted()
+  >>> split_wanted()
+  True
+  """
+  before, _SPLIT[0] = _SPLIT[0], False
+  try:
+    yield
+  finally:
+    _SPLIT[0] = before
+
+
+def split_wanted() -> bool:
+  """Whether fsdp_scan splits layer 0 by use order here (`layer_0_whole`)."""
+  return _SPLIT[0]
 
 
 # --- the layer's leaves, grouped ------------------------------------------------
