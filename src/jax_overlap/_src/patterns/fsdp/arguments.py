@@ -23,6 +23,7 @@ from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
                                                      ShardMapTransfer)
 from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
+from jax_overlap._src.patterns.fsdp.transfer_protocol import Transfer
 from jax_overlap._src.patterns.varying import vary_over
 
 
@@ -194,7 +195,7 @@ def _module_hint(params, leaf) -> str:
 
 
 def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
-                    replica_axis=None):
+                    replica_axis=None) -> Transfer:
   axes = _axis_names(axis)
   bound = _compat.bound_axis_names()
   replicas = _replica_axes(replica_axis, axes, bound, params)
