@@ -25,6 +25,7 @@ Results and their reading: docs/real-clients.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -56,7 +57,8 @@ def _worker(variant: str, n_layers: int, profile: bool,
     # An experiment, not a user's knob: layer 0 runs in the loop instead of
     # apart, split by the order its weights are used (one copy fewer).
     from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
-    use_order.ENABLED = False
+    # (for the rest of this worker process)
+    contextlib.ExitStack().enter_context(use_order.layer_0_whole())
 
   traces = [0]
 
@@ -266,7 +268,7 @@ def main() -> None:
                   "of the layer in their loop, for what a copy costs)")
   ap.add_argument("--no-use-order-split", action="store_true",
                   help="experiment: fsdp_scan's layer 0 runs in the loop, not "
-                  "apart (patterns/fsdp/use_order.ENABLED = False)")
+                  "apart (patterns/fsdp/use_order.layer_0_whole())")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--profile-worker", action="store_true",
                   help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ devices) with `fsdp_scan` given those keyword arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 
@@ -92,8 +93,9 @@ def measure(kwargs, layers: int, hardware: str):
   kwargs = dict(kwargs)
   run = _ends_outside(plain) if kwargs.pop(ENDS_OUTSIDE, False) else plain
   from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
-  split = use_order.ENABLED
-  use_order.ENABLED = not kwargs.pop(WHOLE_ENDS, False)
+  whole = contextlib.ExitStack()
+  if kwargs.pop(WHOLE_ENDS, False):
+    whole.enter_context(use_order.layer_0_whole())
   scan.fsdp_scan = functools.partial(run, **kwargs)
   api.overlap_report = report_and_measure
   try:
@@ -104,7 +106,7 @@ def measure(kwargs, layers: int, hardware: str):
                                       optax.adamw(3e-3))["fsdp_scan"]
   finally:
     scan.fsdp_scan, api.overlap_report = plain, overlap_report
-    use_order.ENABLED = split
+    whole.close()
   return report.totals, temp[0]
 
 

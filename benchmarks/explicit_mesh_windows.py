@@ -1,5 +1,5 @@
 """fsdp_scan on an explicit mesh: which moves the real compilers overlap, with
-and without the GPU step ties (src/jax_overlap/_src/ordering/gpu_ties.py).
+and without the GPU step ties (src/jax_overlap/_src/xla/gpu_ties.py).
 
 A diagnostic, not part of `make bench`: it compiles (ahead of time, nothing
 runs) fsdp_scan's forward and value_and_grad on an Explicit mesh (4 layers of
@@ -39,7 +39,7 @@ from compilers import arg, compiled_text, target  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_overlap  # noqa: E402
-from jax_overlap._src.ordering import gpu_ties as explicit_ties  # noqa: E402
+from jax_overlap._src.xla import gpu_ties as explicit_ties  # noqa: E402
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
          "collective-permute")

@@ -10,7 +10,7 @@ from jax_overlap._src.collectives.future import Future as Future
 from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning as CollectiveNotAsyncWarning
 from jax_overlap._src.collectives.future import FutureNotFinishedWarning as FutureNotFinishedWarning
 from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
-from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
+from jax_overlap._src.xla.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.ordering.decorator import program_order as program_order
 from jax_overlap._src.patterns.fsdp.scan import fsdp_scan as fsdp_scan
 from jax_overlap._src.patterns.fsdp.plan import fsdp_plan as fsdp_plan

@@ -17,7 +17,7 @@ from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning as 
 from jax_overlap._src.inspection.errors import HardwareProfileError as HardwareProfileError
 from jax_overlap._src.inspection.errors import HloParseError as HloParseError
 from jax_overlap._src.inspection.measured.xplane import ProfileReadError as ProfileReadError
-from jax_overlap._src.ordering.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
+from jax_overlap._src.xla.compiled_order import OrderNotKeptWarning as OrderNotKeptWarning
 from jax_overlap._src.patterns.fsdp.argument_order import LayerArgumentOrderWarning as LayerArgumentOrderWarning
 from jax_overlap._src.testing.targets import CompilerNotFoundError as CompilerNotFoundError
 

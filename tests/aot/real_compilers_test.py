@@ -43,7 +43,7 @@ from jax_overlap import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
 
-from jax_overlap._src.ordering import compiled_order
+from jax_overlap._src.xla import compiled_order
 
 #: jax < 0.12: a future is its plain collective on TPU/GPU.
 OLDER = not _compat.ASYNC_CUSTOM_CALLS
@@ -66,7 +66,7 @@ OLDER_JAX_TARGETS = ("tpu_v5e", "gpu_h100")
 #: and A100's cells that hang on the latency-hiding scheduler: its spec has it
 #: off, and the library turns it on for plain-future modules with a loop or a
 #: psum_start, not for all_gather_matmul's straight-line permutes
-#: (ordering/compile_options.py).
+#: (xla/compile_options.py).
 OLDER_JAX_EXTRA = (
     "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters[gpu_a100]",
     "test_future_is_an_async_pair_around_the_matmul[psum-gpu_a100]",
@@ -77,7 +77,7 @@ pytestmark = pytest.mark.newest_jax(older_jax=[
 
 #: jax 0.10.2 / 0.11.0 with their plugins (libtpu 0.0.42.1 / 0.0.44.1,
 #: jax-cuda12-plugin of the same version): the StableHLO async_start/async_done
-#: region (collectives/lowering.py `_to_async_region_pair`, CPU only now) is
+#: region (xla/futures.py `_to_async_region_pair`, CPU only now) is
 #: refused by the PJRT plugins' StableHLO (1.13.7 / 1.14.0): "Failed to
 #: serialize StableHLO to plugin version ...: failed to legalize operation
 #: 'vhlo.async_start_v1'". Should a module still hold one, its test xfails.
@@ -465,7 +465,7 @@ def test_a_small_gather_over_two_axes_is_async_or_said(name):
   # jax < 0.12: the future is the plain all-gather, which libtpu 0.0.42.1 /
   # 0.0.44.1 turns into a synchronous all-reduce below 512 bytes a shard
   # (measured: 256 bytes sync, 512 async); the library says so once
-  # (collectives/lowering.py). jax 0.12: an async pair at either size.
+  # (xla/futures.py). jax 0.12: an async pair at either size.
   for rows, small in ((2, True), (8, False)):
     text, warned = _compile(name, "two_axes_gather", rows)
     gathers = _async(text, "all-gather")
@@ -497,7 +497,7 @@ def test_a_plain_gather_in_an_ordered_block_is_said(name):
 def test_a_gather_in_a_free_block_is_left_to_xla(name):
   # The README's quick start: a plain gather in a free block, beside a
   # matmul, inside an ordered block. XLA may overlap the two, so nothing is
-  # said (ordering/compile_options.py, `_has_company`).
+  # said (xla/compile_options.py, `_has_company`).
   text, warned = _compile(name, "plain_gather", "free")
   assert not [m for m in warned if "inside an ordered block" in m], warned
   gathers = _async(text, "all-gather")
@@ -702,7 +702,8 @@ def test_the_async_pair_still_crashes_libtpu(kind):
   # this test). When a libtpu fixes it, this fails: drop the route.
   target("tpu_v5e")
   out = compilers.compile_in_subprocess(f"""
-      from jax_overlap._src.collectives import lowering, tpu_forms
+      from jax_overlap._src.xla import futures as lowering
+      from jax_overlap._src.collectives import tpu_forms
       lowering._sync_on_this_platform = lambda ctx, op: False
       tpu_forms.wanted = lambda name: False   # the plain pair, not the TPU form
       import real_compilers_test as rt
@@ -803,7 +804,7 @@ def test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters(name):
   if not is_tpu:
     # (v5p: psum_scatter_start is N-1 permutes, async, and nothing is said;
     # each step's but the last in flight since the modules holding them get
-    # libtpu's experimental scheduler features, ordering/compile_options.py:
+    # libtpu's experimental scheduler features, xla/compile_options.py:
     # 4 of 6 without, libtpu 0.0.52.)
     assert not warned, warned
     got = sum(w.matmuls >= 1 for w in scatters)
@@ -851,7 +852,7 @@ def test_fsdp_scan_on_an_explicit_mesh(name, grad):
   # As the shard_map context: each weight's gather but the first layer's
   # (each pass) in flight across matmuls, and each reduce-scatter but the
   # last layer's. On GPU each step's moves are tied into it
-  # (ordering/gpu_ties.py); without the ties H100 combined every
+  # (xla/gpu_ties.py); without the ties H100 combined every
   # layer's gather into one before the loop (0 of 6 weights, and 0 of 11
   # and 0 of 6 for value_and_grad), and A100 (latency-hiding scheduler off
   # in its spec, on for modules with ties) made them synchronous. On TPU
@@ -1019,7 +1020,7 @@ def test_fsdp_scan_memory_knobs_temp_bytes_on_h100():
 
 @needs_pairs
 def test_fsdp_scan_needs_the_raised_overlap_limit_on_h100():
-  # Premise of the option the library adds (ordering/compile_options.py):
+  # Premise of the option the library adds (xla/compile_options.py):
   # with XLA's own limit of one collective in flight, the H100 compile fails.
   t = target("gpu_h100")
   fn, args = fsdp_program(t, False)
@@ -1046,7 +1047,7 @@ def _collective_matmul_cases():
             f"{'backward' if grad else 'forward'}-{which}-{name}"))
   # A100 (latency-hiding scheduler off in its spec): all_gather_matmul's
   # forward, whose permutes on jax < 0.12 hang on that scheduler staying off
-  # (ordering/compile_options.py).
+  # (xla/compile_options.py).
   yield pytest.param("gpu_a100", "all_gather_matmul", False,
                      id="forward-all_gather_matmul-gpu_a100")
 

@@ -166,7 +166,7 @@ def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
   # Unfenced, XLA's CSE merged a gather's 7 permutes into one (one operand,
   # the permutation only in frontend attributes: every slot then came from
   # shift 7); each permute start now carries its config as its backend
-  # config too (lowering._to_custom_call_pair). 7 starts, 7 permutations.
+  # config too (xla/futures.py, _to_custom_call_pair). 7 starts, 7 permutations.
   t = target("tpu_v5p")
 
   def f(x):
@@ -182,7 +182,7 @@ def test_v5p_permute_parts_stay_apart_outside_program_order(kind):
 @needs_pairs
 @pytest.mark.subprocess
 def test_the_form_needs_the_async_all_to_all_option():
-  # Premise of the option the library sets (ordering/compile_options.py):
+  # Premise of the option the library sets (xla/compile_options.py):
   # with it off, libtpu dies on the form's all-to-all pair (run apart).
   target("tpu_v5e")
   out = compilers.compile_in_subprocess("""
@@ -224,7 +224,7 @@ REFUSED = "refused the program's schedule"
 def test_fsdp_scan_backward_reduce_scatters_overlap_the_matmuls_on_tpu(
     weights, layers):
   # v5e: the forms are compiled async, each start tied after the previous
-  # form's done (lowering.chain_form_starts; without the ties libtpu refuses
+  # form's done (form_rewrites.chain_form_starts; without the ties libtpu refuses
   # 4 and 5 layers, where XLA unrolls the loop): each reduce-scatter but the
   # last has a matmul in flight, and the gathers still overlap.
   t = target("tpu_v5e")
@@ -253,7 +253,7 @@ def test_fsdp_scan_backward_that_libtpu_refuses_compiles_again_with_its_forms_fi
   # fsdp_scan's steps finish their collectives before their results are
   # read (patterns/fsdp/transfer.py), which alone keeps libtpu within its
   # limit here: that fence is taken out too.
-  from jax_overlap._src.ordering import compile_options
+  from jax_overlap._src.xla import compile_options
   from jax_overlap._src.patterns.fsdp import transfer
   monkeypatch.setattr(compile_options, "_chain_forms", lambda computation: None)
   monkeypatch.setattr(transfer, "_DONE_BY_THE_END", (False, False))
@@ -290,7 +290,7 @@ def test_fsdp_scan_backward_on_v5p_keeps_its_permutes_in_flight(weights, layers)
   assert sum(f.matmuls == 0 for f in gathers) <= 1, gathers
   assert len(scatters) >= 3 if layers > 2 else len(scatters) == 2, scatters
   # (One weight over 4 layers: 2 of 3 until the modules holding permutes got
-  # libtpu's experimental scheduler features, ordering/compile_options.py.)
+  # libtpu's experimental scheduler features, xla/compile_options.py.)
   got = sum(f.matmuls >= 1 for f in scatters)
   assert got >= len(scatters) - 1, scatters
 

@@ -274,7 +274,7 @@ def test_ring_psum_permute_gather_moves_into_the_window(mesh8, forced_permutes):
   ours = jax.shard_map(lambda v: jo.program_order(enforce=True)(body)(v)[None],
                        mesh=mesh8, in_specs=P(AXIS), out_specs=P(AXIS))
   text = jax.jit(ours).lower(_x((N * 2, 5))).as_text()
-  # (The op, or on jax 0.12 its async start: collectives/lowering.py.)
+  # (The op, or on jax 0.12 its async start: xla/futures.py.)
   order = [m.group(1).replace("-", "_").removesuffix("_start") for m in re.finditer(
       r"(all_to_all|all-to-all-start|dot_general|collective_permute|"
       r"collective-permute-start)", text)]

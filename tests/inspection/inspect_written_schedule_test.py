@@ -155,8 +155,7 @@ def layer_0_whole():
   """These tests model fsdp_scan's loops with layer 0 moved whole, one
   bucket like every other layer; the split of layer 0 by use order (the
   default) has its own tests (tests/patterns/fsdp/fsdp_split_ends_test.py)."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(use_order, "ENABLED", False)
+  with use_order.layer_0_whole():
     yield
 
 

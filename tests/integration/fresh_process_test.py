@@ -173,8 +173,8 @@ def test_cli_in_a_process_of_its_own(forked_results):
 def test_cpu_probe_answers_alike_in_every_context():
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
-  from jax_overlap._src import _compat  # noqa: PLC0415
-  probe = lambda: _compat.run_outside_user_context(
+  from jax_overlap._src import _compat, probes  # noqa: PLC0415
+  probe = lambda: probes.run_outside_user_context(
       _compat._compile_cpu_barrier_probe)
   explicit = jax.make_mesh((8,), ("i",),
                            axis_types=(jax.sharding.AxisType.Explicit,))
@@ -192,8 +192,8 @@ def test_cpu_probe_answers_alike_in_every_context():
 
 
 def test_a_failed_probe_is_not_kept(monkeypatch):
-  from jax_overlap._src import _compat  # noqa: PLC0415
-  monkeypatch.setattr(_compat, "_probe_answers", {})
+  from jax_overlap._src import probes  # noqa: PLC0415
+  monkeypatch.setattr(probes, "_probe_answers", {})
   calls = []
 
   def flaky():
@@ -202,18 +202,18 @@ def test_a_failed_probe_is_not_kept(monkeypatch):
       raise RuntimeError("the first try fails")
     return "answer"
   with pytest.raises(RuntimeError, match="first try"):
-    _compat.probe_once("flaky", flaky)
-  assert _compat.probe_once("flaky", flaky) == "answer"
-  assert _compat.probe_once("flaky", flaky) == "answer" and len(calls) == 2
+    probes.probe_once("flaky", flaky)
+  assert probes.probe_once("flaky", flaky) == "answer"
+  assert probes.probe_once("flaky", flaky) == "answer" and len(calls) == 2
 
 
 def test_cpu_probe_that_fails_keeps_barriers(monkeypatch):
   # Keeping barriers until scheduling is harmless on any CPU compiler.
-  from jax_overlap._src import _compat  # noqa: PLC0415
-  monkeypatch.setattr(_compat, "_probe_answers", {})
+  from jax_overlap._src import _compat, probes  # noqa: PLC0415
+  monkeypatch.setattr(probes, "_probe_answers", {})
 
   def broken():
     raise RuntimeError("no compile today")
   monkeypatch.setattr(_compat, "_compile_cpu_barrier_probe", broken)
   assert _compat.cpu_expands_barriers_before_scheduling() is True
-  assert "cpu_expands_barriers_before_scheduling" not in _compat._probe_answers
+  assert "cpu_expands_barriers_before_scheduling" not in probes._probe_answers

@@ -2,8 +2,12 @@
 
 - `_src` never imports the public `jax_overlap` package: a cycle through
   `__init__.py` that works only by the order of its lines;
-- `ordering/` imports nothing from `patterns/` (patterns are built on it);
-- the module-level imports between `_src` modules form no cycle.
+- each module imports only from its own layer or the layers below it
+  (`LAYERS`: the trace-level halves of ordering and collectives, then
+  `xla/`, what XLA gets, then the patterns);
+- the imports between `_src` modules form no cycle, those inside functions
+  included (an import moved into a function to get past a cycle is still
+  one: `test_a_cycle_through_a_function_level_import_is_found`).
 """
 
 import ast
@@ -14,19 +18,43 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 MODULES = sorted((SRC / "jax_overlap" / "_src").rglob("*.py"))
 
+#: The layers of `_src`, lowest first: a module imports only from its own
+#: layer and those below. Keys are folders (or top-level modules) of `_src`,
+#: or single modules placed apart from their folder.
+LAYERS = [
+    # version differences (and the probes that find some); how our
+    # primitives run in an eager shard_map
+    {"_compat", "probes", "eager_shard_map"},
+    # program_order while tracing: the primitive, its rules, the barriers
+    {"ordering"},
+    # the futures while tracing (and the table of compiler quirks they and
+    # xla/ consult; it names not_async's warning)
+    {"collectives", "quirks"},
+    # what XLA gets: lowering of ordered blocks and futures, module
+    # rewrites, compile options, GPU ties, the compile hook
+    {"xla"},
+    # the public faces of ordering and collectives: they import the xla/
+    # modules that register their lowering and compile hook
+    {"ordering.decorator", "collectives.api"},
+    {"patterns"},
+    {"inspection", "testing"},
+    {"demo", "cli"},
+]
 
-def _name(path: pathlib.Path) -> str:
-  parts = path.relative_to(SRC).with_suffix("").parts
+
+def _name(path: pathlib.Path, src: pathlib.Path = SRC) -> str:
+  parts = path.relative_to(src).with_suffix("").parts
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path, top_level_only: bool = False):
+def _imports(path: pathlib.Path, top_level_only: bool = False,
+             src: pathlib.Path = SRC):
   """(line, module, names) for each import of `path` (names: those of a
   `from module import ...`, else ()); with `top_level_only`, those run when
   the module is imported (not inside a function)."""
   tree = ast.parse(path.read_text(), str(path))
-  package = _name(path) if path.name == "__init__.py" else \
-      _name(path).rpartition(".")[0]
+  package = _name(path, src) if path.name == "__init__.py" else \
+      _name(path, src).rpartition(".")[0]
   nodes = tree.body if top_level_only else ast.walk(tree)
   for node in nodes:
     if isinstance(node, ast.Import):
@@ -51,26 +79,57 @@ def test_src_never_imports_the_public_package(path):
   assert not bad, f"{_name(path)} imports jax_overlap itself: {bad}"
 
 
-def test_ordering_imports_nothing_from_patterns():
-  bad = [f"{_name(p)} line {n}: {m}"
-         for p in MODULES if "ordering" in p.parts
-         for n, m, _ in _imports(p) if m.startswith("jax_overlap._src.patterns")]
+def _layer(name: str) -> int:
+  """The index in `LAYERS` of module `name` (a `jax_overlap._src` module)."""
+  rest = name.split(".")[2:]
+  for depth in (2, 1):
+    key = ".".join(rest[:depth])
+    for i, layer in enumerate(LAYERS):
+      if key in layer:
+        return i
+  raise AssertionError(f"{name}: in no layer of LAYERS")
+
+
+def _src_targets(names, m, imported):
+  """The `_src` modules an import of `m` (names `imported`) loads: `from pkg
+  import module` imports pkg.module; `from module import f` the module."""
+  return [t for t in [f"{m}.{i}" for i in imported if f"{m}.{i}" in names]
+          or [m] if t in names]
+
+
+def test_every_module_is_in_a_layer():
+  for p in MODULES:
+    if _name(p) != "jax_overlap._src":
+      _layer(_name(p))
+
+
+def test_each_module_imports_from_its_layer_or_below():
+  names = {_name(p) for p in MODULES}
+  bad = []
+  for p in MODULES:
+    name = _name(p)
+    if name == "jax_overlap._src":
+      continue
+    for n, m, imported in _imports(p):
+      for target in _src_targets(names, m, imported):
+        if target != "jax_overlap._src" and _layer(target) > _layer(name):
+          bad.append(f"{name} line {n}: {target}")
   assert not bad, bad
 
 
-def test_no_import_cycle_between_src_modules():
-  names = {_name(p): p for p in MODULES}
+def _graph(paths, src: pathlib.Path = SRC) -> dict[str, set[str]]:
+  """Module -> the modules it imports, function-level imports included."""
+  names = {_name(p, src): p for p in paths}
   graph = {}
   for name, path in names.items():
-    deps = set()
-    for _, m, imported in _imports(path, top_level_only=True):
-      # `from pkg import module` imports pkg.module; `from module import f`
-      # the module itself
-      for target in [f"{m}.{i}" for i in imported if f"{m}.{i}" in names] \
-          or [m]:
-        if target in names and target != name:
-          deps.add(target)
-    graph[name] = deps
+    graph[name] = {t for _, m, imported in _imports(path, src=src)
+                   for t in _src_targets(names, m, imported) if t != name}
+  return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle of `graph` (its modules in order, the first again at
+  the end), or None."""
   state, stack = {}, []
 
   def visit(n):
@@ -78,13 +137,36 @@ def test_no_import_cycle_between_src_modules():
     stack.append(n)
     for d in sorted(graph[n]):
       if state.get(d) == "open":
-        cycle = stack[stack.index(d):] + [d]
-        raise AssertionError("import cycle: " + " -> ".join(cycle))
+        return stack[stack.index(d):] + [d]
       if d not in state:
-        visit(d)
+        found = visit(d)
+        if found:
+          return found
     stack.pop()
     state[n] = "done"
+    return None
 
   for n in sorted(graph):
     if n not in state:
-      visit(n)
+      found = visit(n)
+      if found:
+        return found
+  return None
+
+
+def test_no_import_cycle_between_src_modules():
+  cycle = _cycle(_graph(MODULES))
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+  package = tmp_path / "pkg"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "a.py").write_text("from pkg import b\n")
+  (package / "b.py").write_text(
+      "def f():\n  from pkg.a import g  # noqa: PLC0415\n  return g\n")
+  paths = sorted(package.rglob("*.py"))
+  assert _cycle(_graph(paths, tmp_path)) == ["pkg.a", "pkg.b", "pkg.a"]
+  (package / "b.py").write_text("def f():\n  return 1\n")
+  assert _cycle(_graph(paths, tmp_path)) is None

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap._src import compile_hook
+from jax_overlap._src.xla import compile_hook
 
 _FRESH = textwrap.dedent("""
     import os
@@ -26,7 +26,7 @@ _FRESH = textwrap.dedent("""
     now = lambda: (pxla.create_compile_options, compiler.compile_or_get_cached)
 
     import jax_overlap
-    from jax_overlap._src import compile_hook
+    from jax_overlap._src.xla import compile_hook
     assert now() == own, "import jax_overlap changed jax's compile functions"
     jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(4)).compile()
     assert now() == own, "a program without the library installed the hook"

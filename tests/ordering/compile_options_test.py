@@ -13,7 +13,7 @@ import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import not_async
-from jax_overlap._src.ordering import compile_options
+from jax_overlap._src.xla import compile_options, module_marks
 
 P = jax.P if hasattr(jax, "P") else jax.sharding.PartitionSpec
 needs_split_pairs = pytest.mark.skipif(
@@ -64,7 +64,7 @@ def test_overlap_limits_for_each_platform():
 @needs_split_pairs
 def test_module_with_futures_gets_the_limit_and_the_users_option_wins():
   module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
-  assert _compat.async_collective_starts(module) == {"all-gather": 2}
+  assert module_marks.async_collective_starts(module) == {"all-gather": 2}
   assert compile_options._options_for(module, "cuda", {}) == {
       compile_options.GPU_OVERLAP_LIMIT: 2}
   assert compile_options._options_for(
@@ -80,7 +80,7 @@ def test_plain_futures_get_the_combiners_off():
   # combiners off (tests/aot/ shows what it changes on the H100 and A100
   # compilers; docs/compilers.md).
   module = _lowered(_two_gathers, "cuda", jnp.ones(8)).compiler_ir()
-  assert _compat.async_collective_starts(module) == {"all-gather": 2}
+  assert module_marks.async_collective_starts(module) == {"all-gather": 2}
   assert compile_options._options_for(module, "cuda", {}) == {
       compile_options.GPU_OVERLAP_LIMIT: 2,
       **{k: 1 for k in compile_options.GPU_COMBINE_THRESHOLDS},
@@ -106,7 +106,7 @@ def test_v5p_permute_futures_get_libtpus_experimental_scheduler():
   # in flight across the next step's matmuls (without it, measured: 4 of 6
   # with one a weight, 2 of 3 with one weight over 4 layers; tests/aot/).
   module = _lowered(_two_ppermutes, "tpu", jnp.ones(8)).compiler_ir()
-  assert _compat.async_collective_starts(module) == {"collective-permute": 2}
+  assert module_marks.async_collective_starts(module) == {"collective-permute": 2}
   assert compile_options._options_for(module, "tpu", {}, device_kind="TPU v5") == {
       compile_options.TPU_PERMUTE_LIMIT: 2,
       compile_options.TPU_EXPERIMENTAL_SCHEDULER: True}
@@ -121,7 +121,7 @@ def test_v5p_permute_futures_get_libtpus_experimental_scheduler():
 
 def test_the_hook_is_installed_once_a_future_is_lowered():
   from jax._src.interpreters import pxla
-  from jax_overlap._src import compile_hook
+  from jax_overlap._src.xla import compile_hook
   with warnings.catch_warnings():
     # On jax < 0.12 a small gather's future is a synchronous all-reduce on
     # TPU, said once a process (tests/aot/real_compilers_test.py::
@@ -280,7 +280,7 @@ def test_tpu_module_refused_for_two_all_to_alls_is_rewritten_once(monkeypatch,
 
 
 def test_a_refused_compile_runs_again_only_when_a_hook_takes_it_up(monkeypatch):
-  from jax_overlap._src import compile_hook
+  from jax_overlap._src.xla import compile_hook
   calls = []
 
   def compile_or_get_cached(backend, computation, *rest):
@@ -336,8 +336,8 @@ def _reads(value, target: str, limit: int = 400) -> bool:
 
 
 def _form_starts(module):
-  from jax_overlap._src.collectives import lowering
-  return lowering._form_starts(module)
+  from jax_overlap._src.xla import form_rewrites
+  return form_rewrites.form_starts(module)
 
 
 @needs_split_pairs
@@ -346,12 +346,12 @@ def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch,
   # libtpu allows one async all-to-all in flight; untied, XLA may hoist the
   # next start above the previous done and libtpu refuses the module
   # (measured: fsdp_scan's backward over 4 layers, tests/aot/).
-  from jax_overlap._src.collectives import lowering
+  from jax_overlap._src.xla import all_to_all_slots, form_rewrites
   monkeypatch.setattr(not_async, "_warned", set())
   # As where jax lowers each step of fsdp_scan's unrolled backward apart and
   # splices them together (then lowering's own tie sees no previous done in
   # the block): here, lowering's tie turned off.
-  monkeypatch.setattr(lowering, "_after_last_tpu_all_to_all", lambda ctx, x: x)
+  monkeypatch.setattr(all_to_all_slots, "after_last_all_to_all", lambda ctx, x: x)
   module = _lowered(_two_blocks_of_one_form, "tpu", jnp.ones((32, 4))).compiler_ir()
   first, second = _form_starts(module)
   assert not _reads(second.operands[0], "all-to-all-done")
@@ -367,7 +367,7 @@ def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch,
   with pytest.warns(jax_overlap.CollectiveNotAsyncWarning, match="TPU v5\\)"):
     compile_options._options_for(other, "tpu", {}, device_kind="TPU v5")
   assert not _form_starts(other) and _form_windows(other) == [[], []]
-  assert lowering.chain_form_starts(other) == 0
+  assert form_rewrites.chain_form_starts(other) == 0
 
 
 @pytest.mark.skipif(not (hasattr(jax, "reshard")
@@ -375,11 +375,11 @@ def test_each_tpu_form_start_is_tied_after_the_previous_done(monkeypatch,
                     reason="this jax lacks AxisType.Explicit or jax.reshard")
 def test_fsdp_scan_on_an_explicit_mesh_is_tied_for_gpu_only():
   # Lowered for GPU, each step's reshards are tied into it (two barriers a
-  # step: ordering/gpu_ties.py), and the module gets the GPU bound
+  # step: xla/gpu_ties.py), and the module gets the GPU bound
   # on collectives in flight raised to that and the latency-hiding
   # scheduler on; lowered for CPU there is no tie (tests/aot checks what the
   # H100 and A100 compilers make of it).
-  from jax_overlap._src.ordering import gpu_ties as explicit_ties  # noqa: PLC0415
+  from jax_overlap._src.xla import gpu_ties as explicit_ties  # noqa: PLC0415
   mesh = jax.make_mesh((2,), ("i",), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   sharded = lambda a, spec: jax.device_put(a, jax.NamedSharding(mesh, spec))

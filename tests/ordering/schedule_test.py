@@ -23,7 +23,8 @@ from jax import lax
 import jax_overlap
 from jax_overlap import program_order
 from jax_overlap._src import _compat
-from jax_overlap._src.ordering import compiled_order
+from jax_overlap._src.xla import module_marks
+from jax_overlap._src.xla import compiled_order
 
 import lowered
 
@@ -114,7 +115,7 @@ def test_cpu_keeper_is_what_keeps_the_order_on_old_cpu_compilers():
   # holds only because ordered modules are compiled with that pass disabled.
   fn = jax.jit(independent(program_order))
   text = fn.lower(X, Y, Z).as_text()
-  assert _compat.ORDERED_MODULE_ATTR in text or _compat.USE_HIJAX
+  assert module_marks.ORDERED_MODULE_ATTR in text or _compat.USE_HIJAX
   if not _compat.cpu_expands_barriers_before_scheduling():
     pytest.skip("this jaxlib's CPU compiler keeps barriers until after "
                 "scheduling by itself (jax >= 0.12)")
@@ -170,7 +171,7 @@ def test_old_jax_leaves_a_future_in_flight_on_gpu(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error", jax_overlap.OrderNotKeptWarning)
     text = f.trace(Y).lower(lowering_platforms=("cuda",)).as_text()
-  assert _compat.IN_FLIGHT_ATTR in text, text
+  assert module_marks.IN_FLIGHT_ATTR in text, text
   lines = text.splitlines()
   at = next(i for i, l in enumerate(lines) if "stablehlo.all_reduce" in l)
   result = re.compile(re.escape(lines[at].split("=")[0].strip()) + r"(?![\w#])")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,8 +22,8 @@ from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.state.types import AbstractRef
+
+from jax_overlap._src import probes
 
 # --- jaxprs ------------------------------------------------------------------
 
@@ -94,95 +93,6 @@ def jaxpr_is_high(closed) -> bool:
   return bool(getattr(open_jaxpr(closed), "is_high", False))
 
 
-# --- barriers ----------------------------------------------------------------
-
-def _typed_barrier_abstract_eval(*avals):
-  return list(avals)
-
-
-_typed_barrier_p = core.Primitive("optimization_barrier")
-_typed_barrier_p.multiple_results = True
-_typed_barrier_p.def_abstract_eval(_typed_barrier_abstract_eval)
-
-
-def _typed_barrier_lowering(ctx, *args):
-  flat, _ = mlir.ir_tree_registry.flatten(args)
-  op = hlo.OptimizationBarrierOp(flat)
-  return [mlir.lower_with_sharding_in_types(ctx, r, aval)
-          for r, aval in zip(op.results, ctx.avals_out)]
-
-
-mlir.register_lowering(_typed_barrier_p, _typed_barrier_lowering)
-
-
-def barrier(values: Sequence[Any]) -> list[Any]:
-  """One `optimization_barrier` over a flat list, keeping each value's type.
-
-  Before 0.12, jax's barrier asks all operands inside `shard_map` to vary over
-  the same mesh axes and makes them so, which changes the types a body was
-  traced with (a later `pvary` then fails). There barriers are made in the
-  MLIR lowering rule, after every type check, so a barrier that passes each
-  operand's type through is both safe and the same StableHLO op.
-  """
-  values = list(values)
-  is_ref = [_is_ref(x) for x in values]
-  if USE_HIJAX:
-    if not any(is_ref):
-      return list(lax_internal.optimization_barrier_p.bind(*values))
-    # jax's own barrier pins Refs as inputs and hands them back unchanged;
-    # the primitive alone returns only the non-Ref values.
-    return list(lax_internal.optimization_barrier(values))
-  # Older barriers can't take a Ref: Refs pass by, their effects keep order.
-  outs = iter(_typed_barrier_p.bind(*[x for x, r in zip(values, is_ref) if not r]))
-  return [x if r else next(outs) for x, r in zip(values, is_ref)]
-
-
-def _is_ref(x) -> bool:
-  return isinstance(core.typeof(x), AbstractRef)
-
-
-# --- probes -------------------------------------------------------------------
-
-# A feature that only a lowering or a compile can reveal is probed once per
-# process. The probe runs when the user's first program needs the answer:
-# inside their trace, their `jax.set_mesh` / sharding / default-device
-# context, perhaps in one process of several. jax keeps all of those per
-# thread (and in contextvars, which a new thread does not inherit), so a
-# probe runs on a thread of its own, where jax sees its global defaults only:
-# its answer does not depend on the user's context, nor does it disturb it.
-# Only an answer is kept: a probe that raised is tried again next time.
-_probe_answers: dict[str, Any] = {}
-_probe_lock = threading.Lock()
-
-
-def run_outside_user_context(fn: Callable[[], Any]) -> Any:
-  """`fn()`, run on a fresh thread: no enclosing trace, mesh or sharding
-  context applies to it. Returns its value or raises its exception."""
-  outcome: dict[str, Any] = {}
-
-  def target():
-    try:
-      outcome["value"] = fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the caller
-      outcome["error"] = e
-  thread = threading.Thread(target=target, name="jax_overlap-probe",
-                            daemon=True)
-  thread.start()
-  thread.join()
-  if "error" in outcome:
-    raise outcome["error"]
-  return outcome["value"]
-
-
-def probe_once(name: str, fn: Callable[[], Any]) -> Any:
-  """`fn()`'s answer, found once per process outside the user's context."""
-  if name not in _probe_answers:
-    answer = run_outside_user_context(fn)
-    with _probe_lock:
-      _probe_answers.setdefault(name, answer)
-  return _probe_answers[name]
-
-
 # --- the device a trace is for ------------------------------------------------
 
 def trace_device() -> tuple[str | None, str | None]:
@@ -210,7 +120,7 @@ def _barrier_takes_tokens() -> bool:
       return True
     except Exception:  # noqa: BLE001 - any failure here means "no"
       return False
-  return probe_once("barrier_takes_tokens", lower_barrier_over_token)
+  return probes.probe_once("barrier_takes_tokens", lower_barrier_over_token)
 
 
 def new_token():
@@ -313,7 +223,7 @@ def _jax_async_collectives_use_custom_calls() -> bool:
 #: refuse the async region, 'vhlo.async_start_v1'), a future's start is the
 #: plain collective, and an ordered block keeps its result out of the
 #: barriers until its done: XLA's own async conversion then splits it around
-#: the written work (collectives/lowering.py, ordering/barriers.py; pinned by
+#: the written work (xla/futures.py, ordering/barriers.py; pinned by
 #: tests/aot/real_compilers_test.py::test_future_is_an_async_pair_around_the_matmul
 #: on the older jax).
 ASYNC_CUSTOM_CALLS = _jax_async_collectives_use_custom_calls()
@@ -506,20 +416,6 @@ def register_linearize_rule(prim, rule: Callable):
 # has a loop.
 KEEP_BARRIERS_PASS = "cse_barrier_expander"
 LOOP_HOISTING_PASS = "small-while-loop-hoisting"
-ORDERED_MODULE_ATTR = "jax_overlap.ordered"
-
-
-def mark_module_ordered(module_context) -> None:
-  """Notes on the module being lowered that it holds an ordered block."""
-  module_context.module.operation.attributes[ORDERED_MODULE_ATTR] = \
-      ir.UnitAttr.get()
-
-
-def _is_marked_ordered(computation) -> bool:
-  try:
-    return ORDERED_MODULE_ATTR in computation.operation.attributes
-  except AttributeError:  # not an MLIR module (e.g. a serialized one)
-    return False
 
 
 def cpu_expands_barriers_before_scheduling() -> bool:
@@ -529,13 +425,13 @@ def cpu_expands_barriers_before_scheduling() -> bool:
   drops the barrier first fuses both ops into one instruction, one that keeps
   it until after scheduling leaves two. The probe compiles on this process's
   first CPU device from an abstract argument, outside the user's context
-  (see `probe_once`): a compile inside `jax.set_mesh`, or in one process of a
+  (see `probes.probe_once`): a compile inside `jax.set_mesh`, or in one process of a
   `jax.distributed` run, sees the same answer. Where the probe itself fails,
   the answer is "yes": keeping barriers until scheduling is harmless on a
   compiler that would have kept them anyway (a leftover barrier is a no-op).
   """
   try:
-    return probe_once("cpu_expands_barriers_before_scheduling",
+    return probes.probe_once("cpu_expands_barriers_before_scheduling",
                       _compile_cpu_barrier_probe)
   except Exception:  # noqa: BLE001 - never fail the user's compile for it
     return True
@@ -557,24 +453,6 @@ def _compile_cpu_barrier_probe() -> bool:
              if not re.search(r"\b(parameter|tuple|get-tuple-element|"
                               r"opt-barrier|copy)\(", line)]
   return len(compute) < 2
-
-
-def holds_op(computation, name: str) -> bool:
-  """Whether the MLIR module `computation` holds an op named `name`
-  (the walk stops at the first)."""
-  found = []
-
-  def visit(op):
-    if op.name == name:
-      found.append(op)
-      return ir.WalkResult.INTERRUPT
-    return ir.WalkResult.ADVANCE
-  computation.operation.walk(visit)
-  return bool(found)
-
-
-def _holds_loop(computation) -> bool:
-  return holds_op(computation, "stablehlo.while")
 
 
 # --- varying manual axes ------------------------------------------------------
@@ -605,48 +483,7 @@ def invariant_over(aval, axis_name):
   return aval if vma is None else aval.update(vma=frozenset(vma) - {axis_name})
 
 
-# --- per-module compile options ---------------------------------------------------
-
-#: Marks the plain collective op of a future started on jax without the
-#: custom-call pair (`ASYNC_CUSTOM_CALLS` false): XLA makes it async itself.
-IN_FLIGHT_ATTR = "jax_overlap.in_flight"
-_PLAIN_KIND = {
-    "stablehlo.all_gather": "all-gather", "stablehlo.all_reduce": "all-reduce",
-    "stablehlo.reduce_scatter": "reduce-scatter",
-    "stablehlo.all_to_all": "all-to-all",
-    "stablehlo.collective_permute": "collective-permute"}
-
-
-def async_collective_starts(computation) -> dict[str, int]:
-  """Kind ("all-gather", ...) -> how many async collective starts the MLIR
-  module holds: `custom_call @"X-start"` on jax >= 0.12; before, an
-  `async_start` around the collective (CPU) or the plain collective of a
-  future (`IN_FLIGHT_ATTR`, TPU/GPU)."""
-  counts: dict[str, int] = {}
-
-  def visit(op):
-    name = op.name
-    kind = None
-    if name == "stablehlo.custom_call":
-      try:
-        target = ir.StringAttr(op.attributes["call_target_name"]).value
-      except (KeyError, ValueError):
-        target = ""
-      if target.endswith("-start"):
-        kind = target[: -len("-start")]
-    elif name == "stablehlo.async_start":
-      kind = "async"
-    elif IN_FLIGHT_ATTR in op.attributes:
-      kind = _PLAIN_KIND.get(name)
-    if kind:
-      counts[kind] = counts.get(kind, 0) + 1
-    return ir.WalkResult.ADVANCE
-  try:
-    computation.operation.walk(visit)
-  except AttributeError:  # not an MLIR module (e.g. a serialized one)
-    return {}
-  return counts
-
+# --- scans whose outputs are reduced ---------------------------------------------
 
 def unroll_saving_reduced(unroll: int) -> int:
   """`unroll` for a `lax.scan` whose stacked outputs are values resharded to
@@ -660,18 +497,16 @@ def unroll_saving_reduced(unroll: int) -> int:
   return unroll if unroll == 1 or _unrolled_scan_saves_reduced() else 1
 
 
-@functools.cache
 def _unrolled_scan_saves_reduced() -> bool:
-  # On a thread of its own: jax's mesh and trace contexts are per thread,
-  # and the caller is tracing under its own mesh (which the probe's could
-  # not replace).
-  result = []
-  thread = threading.Thread(target=lambda: result.append(_probe_unrolled()))
-  thread.start()
-  thread.join()
-  if isinstance(result[0], BaseException):
-    raise result[0]
-  return result[0]
+  # Outside the user's context (`probes.probe_once`): jax's mesh and trace
+  # contexts are per thread, and the caller is tracing under its own mesh
+  # (which the probe's could not replace). An error is raised, not kept.
+  def probe():
+    answer = _probe_unrolled()
+    if isinstance(answer, BaseException):
+      raise answer
+    return answer
+  return probes.probe_once("unrolled_scan_saves_reduced", probe)
 
 
 def _probe_unrolled():

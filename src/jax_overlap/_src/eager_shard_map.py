@@ -107,22 +107,6 @@ _EAGER_TRACES = tuple(t for t in (getattr(ad, "JVPTrace", None),
                       if t is not None)
 
 
-def run_as_one(fn: Callable[..., Any], *args) -> Any:
-  """`fn(*args)` as one free `program_order` block around `jax.checkpoint`
-  (nothing saved), for a pattern called in an eager shard_map.
-
-  Invariant: the same values and gradients as `fn(*args)`; a second eager
-  call compiles nothing for `fn` (the block's programs are cached, see
-  `run_in_one_program`), and under `jax.grad` only `args` cross from the
-  forward shard_map to the backward one. Why: jax compiles each primitive of
-  an eager shard_map, and each value crossing its boundary, anew at every
-  call. Pinned by tests/integration/real_clients_eager_test.py."""
-  # (Imported here: ordering imports this module.)
-  from jax_overlap._src.ordering.decorator import program_order  # noqa: PLC0415
-  body = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
-  return program_order(body, enforce=False)(*args)
-
-
 # --- a block as one cached program -------------------------------------------------
 
 def _run_block(trace, prim, args, params):

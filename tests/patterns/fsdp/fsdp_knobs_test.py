@@ -287,12 +287,17 @@ def _starts(jaxpr):
                 if e.primitive is collective_start_p)
 
 
+@pytest.fixture
+def layer_0_whole():
+  from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
+  with use_order.layer_0_whole():
+    yield
+
+
 def test_bucket_one_gather_and_one_reduce_scatter_per_layer_and_dtype(
-    monkeypatch):
+    layer_0_whole):
   # Counted per layer: layer 0 moved whole, not split by use order (that
   # has its own test, tests/patterns/fsdp/fsdp_split_ends_test.py).
-  from jax_overlap._src.patterns.fsdp import use_order  # noqa: PLC0415
-  monkeypatch.setattr(use_order, "ENABLED", False)
   x, params, dims, specs = _bucket_inputs()
 
   def loss_with(bucket):

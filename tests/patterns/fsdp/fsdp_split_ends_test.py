@@ -124,13 +124,13 @@ def _windows(jaxpr):
 
 
 @pytest.mark.parametrize("ends", [True, False])
-def test_only_the_first_group_and_the_last_group_wait(ends, monkeypatch):
+def test_only_the_first_group_and_the_last_group_wait(ends):
   params, tokens, scales = _inputs()
   trace = lambda: _windows(jax.jit(jax.grad(loss_of(ends=ends))).trace(
       params, tokens, scales).jaxpr)
   split = trace()
-  monkeypatch.setattr(use_order, "ENABLED", False)
-  whole = trace()
+  with use_order.layer_0_whole():
+    whole = trace()
   layer = sum(a[0].size // 8 for a in params["blocks"].values())
   # (a reduce-scatter's operand is the full gradient: 8 shards)
   bare = lambda ws: sorted((k, n // 8 if k == "psum_scatter" else n)

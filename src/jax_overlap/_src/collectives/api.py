@@ -11,17 +11,17 @@ from jax._src import traceback_util
 
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
-from jax_overlap._src.collectives import lowering as _lowering  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import major_dim as _major_dim
 from jax_overlap._src.collectives import permute_forms as _permute_forms
 from jax_overlap._src.collectives import ragged as _ragged
 from jax_overlap._src.collectives import ring_psum as _ring_psum
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
 from jax_overlap._src.collectives.comm import Comm, trace_sync
-from jax_overlap._src.ordering import compile_options as _compile_options  # noqa: F401 - installs its hook
 from jax_overlap._src.collectives.future import Future, FutureState, user_frame
 from jax_overlap._src.collectives.misuse import check_axis_name, check_perm
 from jax_overlap._src.collectives.primitives import finish, start
+from jax_overlap._src.xla import compile_options as _compile_options  # noqa: F401 - installs its hook
+from jax_overlap._src.xla import futures as _futures  # noqa: F401 - registers rules
 
 source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import warnings
 
+from jax_overlap._src.ordering import block_collectives
+
 _warned: set[str] = set()
 
 #: Marks the MLIR op of a future lowered synchronously (on this backend): it
@@ -34,9 +36,18 @@ _warned: set[str] = set()
 #: fenced in an ordered block".
 SYNC_FUTURE_ATTR = "jax_overlap.sync_future"
 
-#: The named scope a synchronous collective that starts an ordered block is
-#: bound in (ordering/barriers.py): found by its location at compile time.
-FENCED_SCOPE = "jax_overlap.fenced_collective"
+#: Synchronous collectives (jax primitive names, across our versions). One
+#: that ends an ordered block gets its outputs fenced too, as every other
+#: equation's are by the next one's barrier: a collective inside an ordered
+#: block is then one that both reads and feeds a barrier, which is how
+#: `xla/compile_options.fenced_sync_collectives` tells it from one that
+#: merely reads a block's result after the block (jax's psum of a replicated
+#: input's gradient), which XLA stays free to overlap.
+SYNC_COLLECTIVES = frozenset({
+    "psum", "psum2", "psum_invariant", "pmax", "pmin", "all_gather",
+    "all_gather_invariant", "reduce_scatter", "psum_scatter", "all_to_all",
+    "ppermute", "ragged_all_to_all"})
+block_collectives.add_synchronous(SYNC_COLLECTIVES)
 
 
 class CollectiveNotAsyncWarning(UserWarning):

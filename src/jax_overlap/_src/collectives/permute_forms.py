@@ -8,7 +8,7 @@ all-to-all forms of `tpu_forms.py` in flight (quirks.py, "tpu-permute-forms",
 with the compiler versions it holds for). It does compile async
 collective-permutes there, several at once once
 `xla_max_concurrent_async_collective_permutes` allows it (set for such
-modules by `ordering/compile_options.py`; the compiler's default is one). So
+modules by `xla/compile_options.py`; the compiler's default is one). So
 on v5p, over an axis of N devices:
 
 * `all_gather_start(x)`: N-1 permutes of `x`, the k-th to the device k
@@ -27,7 +27,7 @@ holds for its parts. Values match `jax.lax` up to the order of the sum
 tests/collectives/permute_forms_test.py checks values and gradients on CPU with `forced()`.
 
 On v5e with jax < 0.12 (quirks.py, "tpu-plain-permute-gathers") the
-all-gather future is otherwise its plain collective (collectives/lowering.py),
+all-gather future is otherwise its plain collective (xla/futures.py),
 which libtpu there turns, at fsdp_scan's small sizes, into one synchronous
 all-reduce; the permutes stay async (tests/aot/real_compilers_test.py,
 `-k "fsdp and tpu_v5e"`, in the older aot venvs).
@@ -35,10 +35,10 @@ all-reduce; the permutes stay async (tests/aot/real_compilers_test.py,
 On the real compiler each part is an async pair around the matmul written
 before `done()`, and fsdp_scan's gathers and reduce-scatters are in flight
 as on v5e once the module gets the experimental scheduler features
-(compile_options.py): tests/aot/tpu_forms_compiled_test.py pins both
+(xla/compile_options.py): tests/aot/tpu_forms_compiled_test.py pins both
 (docs/compilers.md has the counts). The parts share one operand (a
 gather's); each permute start carries its config as its backend config so
-that XLA's CSE keeps them apart (collectives/lowering.py;
+that XLA's CSE keeps them apart (xla/futures.py;
 `test_v5p_permute_parts_stay_apart_outside_program_order`).
 """
 

@@ -53,6 +53,7 @@ from jax_overlap._src.collectives import tpu_forms
 from jax_overlap._src.collectives.comm import one_bound_axis
 from jax_overlap._src.collectives.composed import ComposedFuture
 from jax_overlap._src.collectives.future import Future
+from jax_overlap._src.ordering import block_collectives
 
 source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)
@@ -221,3 +222,7 @@ def advance_second_halves(jaxpr):
     kept = [e for k, e in enumerate(eqns[m:], m) if k not in set(chain)]
     eqns = eqns[:m] + moved + kept
   return jaxpr.replace(eqns=eqns)
+
+
+# An ordered block moves each second half up before it is fenced.
+block_collectives.add_block_rewrite(advance_second_halves)

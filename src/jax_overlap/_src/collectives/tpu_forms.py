@@ -5,7 +5,7 @@ async all-reduce and an async all-to-all of a rank-2 buffer, and compiles
 every all-gather on v5p synchronously. It does take, under `program_order`,
 an async all-to-all whose split and concat dimension is the major dimension
 of a rank-3 buffer, once the compile option `xla_tpu_enable_async_all_to_all`
-is on (set for such modules by `ordering/compile_options.py`). So on TPU:
+is on (set for such modules by `xla/compile_options.py`). So on TPU:
 
 * `psum_scatter_start`: the N chunks go out by one all-to-all (each device
   gets its own chunk from every device: the bytes of a ring reduce-scatter),
@@ -78,7 +78,7 @@ class Form(NamedTuple):
   start: object   # closed jaxpr: x -> buffer in flight (ends in all_to_all)
   done: object    # closed jaxpr: buffer -> the collective's value
   # closed jaxpr: x -> the same buffer, by a synchronous all-gather: for a
-  # future started while another's all-to-all is in flight (lowering.py).
+  # future started while another's all-to-all is in flight (xla/futures.py).
   sync: object = None
 
 

@@ -40,7 +40,7 @@ from jax._src import core
 from jax._src.pjit import jit_p
 
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import not_async, ring_psum
+from jax_overlap._src.ordering import barrier_op, block_collectives
 from jax_overlap._src.ordering.primitive import is_free_block
 
 
@@ -53,19 +53,6 @@ from jax_overlap._src.ordering.primitive import is_free_block
 #: there is no order to keep.
 _READS_DEVICE_POSITION = frozenset({"axis_index"})
 
-#: Synchronous collectives (jax primitive names, across our versions). One
-#: that ends a block gets its outputs fenced too, as every other equation's
-#: are by the next one's barrier: a collective inside an ordered block is
-#: then one that both reads and feeds a barrier, which is how
-#: `compile_options.fenced_sync_collectives` tells it from one that merely
-#: reads a block's result after the block (jax's psum of a replicated
-#: input's gradient), which XLA stays free to overlap.
-_SYNC_COLLECTIVES = frozenset({
-    "psum", "psum2", "psum_invariant", "pmax", "pmin", "all_gather",
-    "all_gather_invariant", "reduce_scatter", "psum_scatter", "all_to_all",
-    "ppermute", "ragged_all_to_all"})
-
-
 #: The primitive whose first output is a future's in-flight value.
 _STARTS = "collective_start"
 
@@ -74,9 +61,9 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
                  strict_out: bool, leave_in_flight: bool = False) -> list[Any]:
   """Evaluates `closed` on `args` with the barriers that fix its order
   (`leave_in_flight`: see the module docstring)."""
-  # psum_start's ring form on TPU: its all-gather half moves up into the
-  # reduce-scatter half's window (collectives/ring_psum.py).
-  jaxpr = ring_psum.advance_second_halves(_compat.open_jaxpr(closed))
+  # The collectives' rewrites (psum_start's ring form on TPU: its all-gather
+  # half moves up into the reduce-scatter half's window, ring_psum.py).
+  jaxpr = block_collectives.rewrite(_compat.open_jaxpr(closed))
   env: dict[core.Var, Any] = {}
   in_flight = frozenset(eqn.outvars[0] for eqn in jaxpr.eqns
                         if leave_in_flight and eqn.primitive.name == _STARTS)
@@ -96,7 +83,7 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   write(jaxpr.constvars, _compat.jaxpr_consts(closed))
   args = list(args)
   if strict_in and args:
-    args = _compat.barrier(args)
+    args = barrier_op.barrier(args)
   write(jaxpr.invars, args)
 
   # `prev` stands for the equation A before B: the outputs B is fenced
@@ -153,11 +140,11 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     prev_eqn = eqn
 
   if (prev_eqn is not None and len(jaxpr.eqns) > 1 and prev_vals
-      and prev_eqn.primitive.name in _SYNC_COLLECTIVES):
-    write(prev.outvars, _compat.barrier(prev_vals))
+      and block_collectives.is_synchronous(prev_eqn.primitive.name)):
+    write(prev.outvars, barrier_op.barrier(prev_vals))
   outs = [read(v) for v in jaxpr.outvars]
   if strict_out and outs:
-    outs = _compat.barrier(outs)
+    outs = barrier_op.barrier(outs)
   return outs
 
 
@@ -168,13 +155,13 @@ class _Outputs(NamedTuple):
 
 
 def _scope_of(eqn, count: int):
-  """`not_async.FENCED_SCOPE` for a synchronous collective that starts a
+  """`block_collectives.FENCED_SCOPE` for a synchronous collective that starts a
   block of more than one equation: it reads the block's inputs, which no
   barrier fences, so `compile_options.fenced_sync_collectives` tells it by
   this scope in its location (the others by their barriers; tests/aot/
   real_compilers_test.py::test_a_plain_gather_in_an_ordered_block_is_said)."""
-  if count > 1 and eqn.primitive.name in _SYNC_COLLECTIVES:
-    return jax.named_scope(not_async.FENCED_SCOPE)
+  if count > 1 and block_collectives.is_synchronous(eqn.primitive.name):
+    return jax.named_scope(block_collectives.FENCED_SCOPE)
   return contextlib.nullcontext()
 
 
@@ -192,7 +179,7 @@ def _constant(atom):
 def _fence_with_token(prev, prev_vals, token, in_flight):
   """A's outputs (but those in flight) and a new token, through one barrier."""
   tied = [i for i, v in enumerate(prev.outvars) if v not in in_flight]
-  *fenced, token = _compat.barrier([*(prev_vals[i] for i in tied), token])
+  *fenced, token = barrier_op.barrier([*(prev_vals[i] for i in tied), token])
   prev_vals = list(prev_vals)
   for i, x in zip(tied, fenced):
     prev_vals[i] = x
@@ -206,7 +193,7 @@ def _fence_together(prev, prev_vals, eqn, invals, literal, in_flight):
   kept = [i for i, v in enumerate(prev.outvars)
           if v not in consumed and v not in in_flight]
   fed = [i for i, lit in enumerate(literal) if not lit]
-  fenced = _compat.barrier([*(prev_vals[i] for i in kept),
+  fenced = barrier_op.barrier([*(prev_vals[i] for i in kept),
                             *(invals[i] for i in fed)])
   kept_vals, fed_vals = fenced[:len(kept)], fenced[len(kept):]
   prev_vals, invals = list(prev_vals), list(invals)
@@ -230,5 +217,5 @@ def _fence_each_input(prev, prev_vals, eqn, invals, fenced, in_flight):
     if v in made_by_prev:
       invals[k] = prev_vals[made_by_prev[v]]
     else:
-      _, invals[k] = _compat.barrier([token, invals[k]])
+      _, invals[k] = barrier_op.barrier([token, invals[k]])
   return list(prev_vals), invals

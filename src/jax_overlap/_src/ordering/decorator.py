@@ -9,9 +9,9 @@ from typing import Callable, Sequence
 import jax
 
 from jax_overlap._src import _compat
-from jax_overlap._src.ordering import lowering as _lowering  # noqa: F401 - registers rules
 from jax_overlap._src.ordering import rules as _rules  # noqa: F401 - registers rules
 from jax_overlap._src.ordering.primitive import bind
+from jax_overlap._src.xla import ordered_blocks as _ordered_blocks  # noqa: F401 - registers rules
 
 _REQUIRED = object()
 

@@ -8,7 +8,7 @@ Params of every `program_order` equation:
     inputs, which the enclosing ordered block must not tie to anything.
 
 Tracing produces this equation and nothing else; the barriers that enforce
-the order are made only when the program is lowered (see `lowering.py`), so
+the order are made only when the program is lowered (see `xla/ordered_blocks.py`), so
 autodiff, remat and vmap see the same program as without `program_order`.
 """
 

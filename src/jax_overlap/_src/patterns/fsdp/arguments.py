@@ -23,6 +23,7 @@ from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
                                                      ShardMapTransfer)
 from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
+from jax_overlap._src.patterns.fsdp.transfer_protocol import Transfer
 from jax_overlap._src.patterns.varying import vary_over
 
 
@@ -194,7 +195,7 @@ def _module_hint(params, leaf) -> str:
 
 
 def choose_transfer(axis, params, shard_dims, precision=None, bucket=False,
-                    replica_axis=None):
+                    replica_axis=None) -> Transfer:
   axes = _axis_names(axis)
   bound = _compat.bound_axis_names()
   replicas = _replica_axes(replica_axis, axes, bound, params)
@@ -222,7 +223,7 @@ def _explicit_futures_here() -> bool:
   (v5e) or N-1 permutes (v5p, collectives/permute_forms.py; not a
   generation where `all_gather_start` takes its all-to-all form), with a
   jax that lowers a future as one (0.12). Elsewhere they are reshards:
-  tied into their step on GPU (ordering/gpu_ties.py), left to XLA with older
+  tied into their step on GPU (xla/gpu_ties.py), left to XLA with older
   jax (whose plugin cannot take a future), blocking on CPU anyway."""
   platform, _ = _compat.trace_device()
   return (platform == "tpu" and _compat.ASYNC_CUSTOM_CALLS
@@ -233,7 +234,7 @@ def _explicit_futures_here() -> bool:
 def _say_explicit_mesh_is_not_prefetched() -> None:
   """Where the moves stay `jax.reshard`s (not `_explicit_futures_here`) and
   the trace targets TPU, say once that XLA's partitioner schedules them:
-  TPU has no ties for them (GPU's, ordering/gpu_ties.py, keep them in their
+  TPU has no ties for them (GPU's, xla/gpu_ties.py, keep them in their
   step), and the TPU compilers overlapped few (docs/compilers.md, the
   explicit-mesh column). CPU and GPU stay silent. Pinned by
   fsdp_explicit_warning_test.py."""

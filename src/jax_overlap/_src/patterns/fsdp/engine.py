@@ -36,6 +36,7 @@ from jax_overlap._src.patterns.fsdp.one_layer import (Splits, layer_at,
                                                       layer_backward,
                                                       layer_forward)
 from jax_overlap._src.patterns.fsdp.stack_ends import NO_ENDS, saved_of
+from jax_overlap._src.patterns.fsdp.transfer_protocol import Transfer
 from jax_overlap._src.patterns.leaf_scope import in_step
 from jax_overlap._src.patterns.varying import vary_over
 
@@ -43,7 +44,8 @@ from jax_overlap._src.patterns.varying import vary_over
 _ONE_GROUP = object()
 
 
-def run(plan, layer, x, params, transfer, remat_policy, ends=NO_ENDS):
+def run(plan, layer, x, params, transfer: Transfer, remat_policy,
+        ends=NO_ENDS):
   """`fsdp_scan`'s result under `plan` (with its custom gradient). `x` is
   what `ends` reads (with `StackEnds`: x, the hoisted values and the ends'
   consts; else the stack's carry)."""
@@ -88,7 +90,7 @@ class _Executor:
   """What the runs share: the plan, the layer (split by weights, traced
   once a type), the transfer and the stack's ends."""
 
-  def __init__(self, plan, layer, transfer, remat_policy, ends):
+  def __init__(self, plan, layer, transfer: Transfer, remat_policy, ends):
     self.plan, self.n = plan, plan.n_layers
     self.transfer, self.remat_policy, self.ends = transfer, remat_policy, ends
     self.splits = Splits(layer)

@@ -14,7 +14,7 @@ spans the layer's matmuls: every layer's gather but the first, and every
 layer's reduce-scatter but the last, has a matmul in flight
 (real_compilers_test.py::test_fsdp_scan_on_an_explicit_mesh, v5e and v5p).
 The done finds its start across the two shard_maps by the pair its start
-recorded (collectives/lowering.py).
+recorded (xla/futures.py).
 
 Chosen where the trace targets a TPU whose all-gather is a plain async pair
 (v5e) or N-1 permutes (v5p, collectives/permute_forms.py), with a jax that
@@ -39,8 +39,8 @@ from jax.sharding import PartitionSpec as P
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.transfer import (LeafLayout,
                                                      ReshardTransfer,
-                                                     ShardMapTransfer, _names,
-                                                     futures_step)
+                                                     ShardMapTransfer,
+                                                     futures_step, spec_names)
 
 
 class FutureReshardTransfer(ReshardTransfer):
@@ -67,7 +67,7 @@ class FutureReshardTransfer(ReshardTransfer):
     return jax.tree.leaves(self.layouts,
                            is_leaf=lambda v: isinstance(v, LeafLayout))
 
-  def _gather_starts(self, shards):
+  def gather_starts(self, shards):
     leaves, treedef = jax.tree.flatten(shards)
     reduced = jax.tree.leaves(self.reduced, is_leaf=_is_axes)
     lays = self._layouts()
@@ -85,7 +85,7 @@ class FutureReshardTransfer(ReshardTransfer):
                [lays[k] for k in members], False, finish)
         for members in _by_axes(moving, lays)])
 
-  def _scatter_starts(self, grads):
+  def scatter_starts(self, grads):
     leaves, treedef = jax.tree.flatten(grads)
     lays = self._layouts()
     dtypes = self.dtypes or [None] * len(leaves)
@@ -114,7 +114,7 @@ class _Group:
     self.members, self.lays, self.finish_one = members, lays, finish
     fsdp = lays[0].fsdp
     self.manual = set(fsdp)
-    axis = _names(lays[0].spec[_manual_dim(lays[0])])
+    axis = spec_names(lays[0].spec[_manual_dim(lays[0])])
     self.inner = ShardMapTransfer(axis if len(axis) > 1 else axis[0],
                                   [_manual_dim(lay) for lay in lays],
                                   bucket=bucket)
@@ -124,8 +124,8 @@ class _Group:
 
     def start(*local):
       local = list(local)
-      pend = (self.inner._gather_starts(local) if kind == "gather"
-              else self.inner._scatter_starts(local))
+      pend = (self.inner.gather_starts(local) if kind == "gather"
+              else self.inner.scatter_starts(local))
       self.pending = pend
       return pend.leaves, pend.started
 
@@ -192,7 +192,7 @@ def _as(v, spec):
 def _by_axes(members, lays):
   groups: dict = {}
   for k in members:
-    groups.setdefault(_names(lays[k].spec[_manual_dim(lays[k])]), []).append(k)
+    groups.setdefault(spec_names(lays[k].spec[_manual_dim(lays[k])]), []).append(k)
   return list(groups.values())
 
 
@@ -202,17 +202,17 @@ def _gathered_spec(lay, red):
 
 def _manual_spec(lay):
   """`lay.spec` as the shard_map's in/out spec (fsdp axes only)."""
-  return P(*[e if _names(e) else None for e in lay.spec])
+  return P(*[e if spec_names(e) else None for e in lay.spec])
 
 
 def _manual_dim(lay):
   """The one dimension sharded over the fsdp axes, where its entry names
   them alone and no other dimension names a mesh axis; else None (moved by
   `jax.reshard`)."""
-  dims = [k for k, e in enumerate(lay.spec) if _names(e)]
+  dims = [k for k, e in enumerate(lay.spec) if spec_names(e)]
   if len(dims) != 1 or not lay.fsdp:
     return None
-  return dims[0] if set(_names(lay.spec[dims[0]])) == set(lay.fsdp) else None
+  return dims[0] if set(spec_names(lay.spec[dims[0]])) == set(lay.fsdp) else None
 
 
 def _unreduced(g) -> frozenset:

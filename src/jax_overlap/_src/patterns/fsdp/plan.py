@@ -158,8 +158,8 @@ def plan(n_layers: int, *, prefetch=1, reshard_after_forward=1,
   """The plan for these settings, or a ValueError/TypeError naming the
   setting that cannot be run and why. `moves`: whether a gather moves
   anything (False: the fsdp axis has one device, transfer.py's `moves`);
-  `split`: whether the layer-0 split is wanted (use_order.ENABLED); the
-  plan says where it applies."""
+  `split`: whether the layer-0 split is wanted (`use_order.split_wanted()`:
+  off within `use_order.layer_0_whole()`); the plan says where it applies."""
   if isinstance(n_layers, (bool, np.bool_)) \
       or not isinstance(n_layers, numbers.Integral) or n_layers < 1:
     raise ValueError(f"fsdp_plan(n_layers=...) must be an int >= 1 (the "
@@ -464,7 +464,7 @@ def fsdp_plan(n_layers: int, *, prefetch: int = 1,
               moves=not (shard_map and axis_size == 1),
               hsdp=replica_axis is not None,
               bucket=bucket, before=_given(before), after=_given(after),
-              has_ys=has_ys, split=use_order.ENABLED)
+              has_ys=has_ys, split=use_order.split_wanted())
 
 
 def _given(fn) -> bool:

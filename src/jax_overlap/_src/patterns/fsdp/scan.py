@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from jax_overlap._src import eager_shard_map
+from jax_overlap._src.patterns import eager_block
 from jax_overlap._src.patterns.fsdp import argument_order, engine, use_order
 from jax_overlap._src.patterns.fsdp.arguments import (check_remat_policy,
                                                       choose_transfer,
@@ -226,7 +227,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
                 if k not in ("layer", "x", "params", "params_first")}
     inner = layer if params_first else (
         lambda w, x, *rest: layer(x, w, *rest))
-    return eager_shard_map.run_as_one(
+    return eager_block.run_as_one(
         lambda x, params: fsdp_scan(inner, x, params, params_first=True,
                                     **settings), x, params)
   call = argument_order.layer_call(params_first, xs is not None)
@@ -253,7 +254,7 @@ def fsdp_scan(layer: Callable[[Any, Any], Any], x, params, *, axis,
                hsdp=replica_axis is not None,
                bucket=bucket, before=before is not None,
                after=after is not None, has_ys=has_ys,
-               split=use_order.ENABLED)
+               split=use_order.split_wanted())
   ends = None if before is None and after is None else \
       StackEnds(before, after, x)
   x_in, x = x, (x if ends is None else ends.stack_input)

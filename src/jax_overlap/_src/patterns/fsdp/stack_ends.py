@@ -34,6 +34,7 @@ from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.layer_inputs import differentiable
+from jax_overlap._src.patterns.fsdp.transfer_protocol import Transfer
 from jax_overlap._src.patterns.varying import eval_with_varying_consts, vary_over
 
 
@@ -186,7 +187,7 @@ class StackEnds:
       h, pull = self.before.call(consts, x), None
     return ((h, hoisted) if self.hoisted else h), pull
 
-  def enter(self, transfer, x_run, first_shards, save: bool):
+  def enter(self, transfer: Transfer, x_run, first_shards, save: bool):
     """`before(x)` with layer 0's gather in flight. Returns `(carry,
     layer 0's weights, saved)`."""
     (carry, pull), first, _ = transfer.step(
@@ -205,7 +206,7 @@ class StackEnds:
 
   # --- backward ----------------------------------------------------------
 
-  def leave_back(self, transfer, saved, out_bar, last_shards):
+  def leave_back(self, transfer: Transfer, saved, out_bar, last_shards):
     """after's backward with the last layer's gather in flight. Returns
     `(carry cotangent, the last layer's weights, after's consts' cotangent)`;
     `last_shards` None (weights kept from the forward pass): no gather, and
@@ -234,7 +235,8 @@ class StackEnds:
     x_bar, consts_bar = saved[0].complete(bars)
     return (x_bar, list(hoisted_bar), consts_bar, after_bar)
 
-  def enter_back(self, transfer, saved, after_bar, carry_bar, g0):
+  def enter_back(self, transfer: Transfer, saved, after_bar, carry_bar,
+                 g0):
     """before's backward with layer 0's reduce-scatter in flight. Returns
     `(the VJP input's cotangent, layer 0's scattered gradient)`."""
     pull_before = saved[0]
@@ -284,7 +286,7 @@ class NoEnds:
   def enter_compute(self, x, save: bool):
     return x, None
 
-  def enter(self, transfer, x, first_shards, save: bool):
+  def enter(self, transfer: Transfer, x, first_shards, save: bool):
     return x, transfer.gather_now(first_shards), None
 
   def back_compute(self, saved, x_bar):
@@ -296,12 +298,12 @@ class NoEnds:
   def leave(self, carry, x_run, save: bool):
     return carry, None
 
-  def leave_back(self, transfer, saved, y_bar, last_shards):
+  def leave_back(self, transfer: Transfer, saved, y_bar, last_shards):
     # last_shards None: the forward pass kept the last layer's weights.
     return y_bar, (None if last_shards is None
                    else transfer.gather_now(last_shards)), None
 
-  def enter_back(self, transfer, saved, after_bar, x_bar, g0):
+  def enter_back(self, transfer: Transfer, saved, after_bar, x_bar, g0):
     return x_bar, transfer.scatter_now(g0)
 
 

@@ -1,6 +1,6 @@
 """How `fsdp_scan` moves weights: gathers and reduce-scatters, overlapped.
 
-Two contexts, one interface. `step(compute, gather=..., scatter=...)` runs
+Two contexts, one interface (transfer_protocol.py). `step(compute, gather=..., scatter=...)` runs
 `compute()` while the gathers of `gather` (sharded leaves) and the
 reduce-scatters of `scatter` (full gradients) are in flight, fenced with
 `program_order` so that XLA keeps the communication inside the step, and
@@ -22,7 +22,7 @@ returns `(compute(), gathered, scattered)`.
   is used as it is. These are not futures; the step is an ordered block
   holding one free block with the reshards and the compute, which XLA's
   scheduler may overlap; on GPU the step's inputs and outputs are tied
-  (ordering/gpu_ties.py) so that it keeps each step's collectives in the step.
+  (xla/gpu_ties.py) so that it keeps each step's collectives in the step.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ from jax_overlap._src.collectives.api import (all_gather_start,
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
-from jax_overlap._src.ordering import gpu_ties
+from jax_overlap._src.xla import gpu_ties
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
+from jax_overlap._src.patterns.fsdp.transfer_protocol import FutureTransfer
 from jax_overlap._src.patterns.leaf_scope import moving, moving_leaf
 from jax_overlap._src.patterns.varying import vary_over
 
@@ -60,18 +61,18 @@ from jax_overlap._src.patterns.varying import vary_over
 _DONE_BY_THE_END = (False, True)
 
 
-def futures_step(transfer, compute: Callable[[], Any], gather=None,
-                 scatter=None, finish=None, own=None):
+def futures_step(transfer: FutureTransfer, compute: Callable[[], Any],
+                 gather=None, scatter=None, finish=None, own=None):
   """One step of futures: `transfer`'s starts of `gather` and `scatter`,
   `compute()` in a free block, the dones, in one ordered block (its outputs
   fenced together, `_DONE_BY_THE_END`). `finish` waits for what a start
-  returned (default `_finish`); `own` maps the scattered gradients to their
+  returned (default `finish_moves`); `own` maps the scattered gradients to their
   leaves' own dtypes. Returns `(compute(), gathered, scattered)`."""
-  finish = finish or _finish
+  finish = finish or finish_moves
   @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
   def ordered():
-    gathering = None if gather is None else transfer._gather_starts(gather)
-    scattering = None if scatter is None else transfer._scatter_starts(scatter)
+    gathering = None if gather is None else transfer.gather_starts(gather)
+    scattering = None if scatter is None else transfer.scatter_starts(scatter)
     out = program_order(enforce=False)(compute)()
     gathered, scattered = finish(gathering), finish(scattering)
     return out, gathered, scattered if own is None else own(scattered)
@@ -123,7 +124,7 @@ class ShardMapTransfer:
                         [a.dtype for a in leaves],
                         [_compat.varying_axes(a) for a in leaves])
 
-  def _gather_starts(self, shards):
+  def gather_starts(self, shards):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shards)
     cast = [self.precision.for_gather(a) for _, a in leaves]
     buckets, lone = self._plan(cast)
@@ -163,7 +164,7 @@ class ShardMapTransfer:
         return psum_start(s, self.replica)
     return self._per_leaf(start, shards)
 
-  def _scatter_starts(self, grads):
+  def scatter_starts(self, grads):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
     grads_ = [a for _, a in leaves]
     # (Planned on the gradients' dtypes, which are the gathered weights'.)
@@ -204,7 +205,7 @@ class ShardMapTransfer:
     Pinned by tests/patterns/fsdp/fsdp_one_device_test.py."""
     return self._size() > 1
 
-  def _own_dtypes(self, grads):
+  def own_dtypes(self, grads):
     if grads is None:
       return None
     leaves, treedef = jax.tree.flatten(grads)
@@ -225,21 +226,21 @@ class ShardMapTransfer:
     return self
 
   def gather_now(self, shards):
-    return _finish(self._gather_starts(shards))
+    return finish_moves(self.gather_starts(shards))
 
   def scatter_now(self, grads):
-    scattered = _finish(self._scatter_starts(grads))
+    scattered = finish_moves(self.scatter_starts(grads))
     if self.replica is not None:
       return self.reduce_now(scattered)
-    return self._own_dtypes(scattered)
+    return self.own_dtypes(scattered)
 
   def reduce_now(self, scattered):
     """HSDP's second stage at once: the all-reduce over the replicas."""
-    return self._own_dtypes(_finish(self._reduce_starts(scattered)))
+    return self.own_dtypes(finish_moves(self._reduce_starts(scattered)))
 
   def step(self, compute: Callable[[], Any], gather=None, scatter=None):
     return futures_step(self, compute, gather, scatter,
-                        own=self._own_dtypes)
+                        own=self.own_dtypes)
 
   def step2(self, compute: Callable[[], Any], gather=None, scatter=None,
             reduce=None):
@@ -249,12 +250,12 @@ class ShardMapTransfer:
     `scattered` is the next step's `reduce`, `reduced` final gradients."""
     @program_order(enforce=True, strict_in_out=_DONE_BY_THE_END)
     def ordered():
-      gathering = None if gather is None else self._gather_starts(gather)
-      scattering = None if scatter is None else self._scatter_starts(scatter)
+      gathering = None if gather is None else self.gather_starts(gather)
+      scattering = None if scatter is None else self.scatter_starts(scatter)
       reducing = None if reduce is None else self._reduce_starts(reduce)
       out = program_order(enforce=False)(compute)()
-      return (out, _finish(gathering), _finish(scattering),
-              self._own_dtypes(_finish(reducing)))
+      return (out, finish_moves(gathering), finish_moves(scattering),
+              self.own_dtypes(finish_moves(reducing)))
     return ordered()
 
 
@@ -273,19 +274,20 @@ class LeafLayout:
   def __init__(self, spec: P, axes):
     self.spec = spec
     self.gathered = P(*[_without(e, axes) for e in spec])
-    self.fsdp = frozenset(a for e in spec for a in _names(e) if a in axes)
+    self.fsdp = frozenset(a for e in spec for a in spec_names(e) if a in axes)
 
   def __repr__(self):
     return f"LeafLayout({self.spec} -> {self.gathered})"
 
 
-def _names(entry) -> tuple:
+def spec_names(entry) -> tuple:
+  """The mesh axis names of one entry of a `PartitionSpec` (None: none)."""
   return () if entry is None else tuple(entry) if isinstance(entry, tuple) \
       else (entry,)
 
 
 def _without(entry, axes):
-  kept = tuple(a for a in _names(entry) if a not in axes)
+  kept = tuple(a for a in spec_names(entry) if a not in axes)
   return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
@@ -348,12 +350,12 @@ class ReshardTransfer:
     batch = frozenset(a for leaf in jax.tree.leaves(x)
                       for e in getattr(getattr(_type(leaf), "sharding",
                                                None), "spec", ()) or ()
-                      for a in _names(e))
+                      for a in spec_names(e))
 
     def choices(lay):
       if not lay.fsdp:
         return [frozenset()]
-      kept = {a for e in lay.gathered for a in _names(e)}
+      kept = {a for e in lay.gathered for a in spec_names(e)}
       out = []
       for c in ((lay.fsdp | batch) - kept, lay.fsdp - kept, frozenset()):
         if c not in out:
@@ -408,7 +410,7 @@ class ReshardTransfer:
       def together():
         # The values `compute` reads, as arguments: they are tied with the
         # shards and gradients to move, and its outputs with the moved ones
-        # (ordering/gpu_ties.py: on GPU that keeps each step's collectives in
+        # (xla/gpu_ties.py: on GPU that keeps each step's collectives in
         # it, where XLA would combine them all outside the loop).
         run, inputs = jax.closure_convert(compute)
         shards, grads, inputs = gpu_ties.tie((gather, scatter, inputs))
@@ -459,7 +461,9 @@ def _with_local_shapes(bucket, grads, size):
   return Bucket(bucket.members, bucket.dims, shapes)
 
 
-def _finish(futures):
+def finish_moves(futures):
+  """What a transfer's starts returned (`gather_starts`, `scatter_starts`),
+  finished: the moved values; None for None."""
   # Futures are found by type: a container leaf such as a flax.nnx Variable
   # forwards attribute access to its value, so `hasattr(v, "done")` would
   # finish the Future inside it and drop the container.

@@ -32,6 +32,7 @@ the stack's ends run as before.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -42,16 +43,42 @@ from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.fsdp.layer_inputs import PairTransfer
 from jax_overlap._src.patterns.fsdp.precision import Precision
-from jax_overlap._src.patterns.fsdp.transfer import _finish
+from jax_overlap._src.patterns.fsdp.transfer import finish_moves
 from jax_overlap._src.patterns.fsdp.weight_split import trace_layer
 
-#: The split is on by default (chosen by measurement, docs/fsdp.md); the
-#: benchmark turns it off to measure the stack's ends as one collective.
-ENABLED = True
+#: Whether fsdp_scan plans the split: on, but within `layer_0_whole()`.
+_SPLIT = [True]
 
 #: Equations that are compute worth hiding a transfer behind.
 _HEAVY = frozenset({"dot_general", "conv_general_dilated", "ragged_dot",
                     "ragged_dot_general"})
+
+
+@contextlib.contextmanager
+def layer_0_whole():
+  """Within it, `fsdp_scan` moves layer 0's weights whole (one bucket, like
+  every other layer's), not split by use order.
+
+  The split is on by default (chosen by measurement, docs/fsdp.md); this is
+  the benchmarks' and tests' switch to measure or count the stack's ends as
+  one collective (tests/patterns/fsdp/fsdp_knobs_test.py, benchmarks/
+  bench_fsdp_knobs.py). Read when fsdp_scan is traced.
+
+  >>> with layer_0_whole():
+  ...   assert not split_wanted()
+  >>> split_wanted()
+  True
+  """
+  before, _SPLIT[0] = _SPLIT[0], False
+  try:
+    yield
+  finally:
+    _SPLIT[0] = before
+
+
+def split_wanted() -> bool:
+  """Whether fsdp_scan splits layer 0 by use order here (`layer_0_whole`)."""
+  return _SPLIT[0]
 
 
 # --- the layer's leaves, grouped ------------------------------------------------
@@ -76,16 +103,16 @@ class _Layer:
 
   def start_gather(self, shards, members):
     """The gathers of `members` started; `finish()` -> {position: value}."""
-    pending = self._only(set(members))._gather_starts(self._w(shards))
+    pending = self._only(set(members)).gather_starts(self._w(shards))
     def finish():
-      leaves = jax.tree.leaves(_finish(pending))
+      leaves = jax.tree.leaves(finish_moves(pending))
       return {k: leaves[k] for k in members}
     return finish
 
   def ready(self, shards) -> dict:
     """The leaves that are not gathered (replicated, xs_i), as the layer
     gets them."""
-    leaves = jax.tree.leaves(self._only(set())._gather_starts(self._w(shards))
+    leaves = jax.tree.leaves(self._only(set()).gather_starts(self._w(shards))
                              .finish())
     out = {k: a for k, a in enumerate(leaves) if not self.moving[k]}
     if self.pair:
@@ -97,9 +124,9 @@ class _Layer:
     """The reduce-scatters of `members` (full gradients, flat positions)
     started; `finish()` -> {position: gradient shard in its own dtype}."""
     only = self._only(set(members))
-    pending = only._scatter_starts(self._w(grads))
+    pending = only.scatter_starts(self._w(grads))
     def finish():
-      leaves = jax.tree.leaves(_finish(pending))
+      leaves = jax.tree.leaves(finish_moves(pending))
       return {k: Precision.back_to(leaves[k], only.dtypes[k])
               for k in members}
     return finish
@@ -107,7 +134,7 @@ class _Layer:
   def kept(self, grads) -> dict:
     """The gradients that are not reduce-scattered (replicated leaves,
     reduced by autodiff; xs_i's), as scatter_now returns them."""
-    leaves = jax.tree.leaves(self.inner._own_dtypes(self._w(grads)))
+    leaves = jax.tree.leaves(self.inner.own_dtypes(self._w(grads)))
     out = {k: a for k, a in enumerate(leaves) if not self.moving[k]}
     if self.pair:
       out.update({self.n_w + k: a
@@ -313,9 +340,9 @@ def forward_first(transfer, run_layer, enter_compute, shards0, shards1):
   def ordered():
     finishes = [layer.start_gather(shards0, members)
                 for _, _, members in groups]
-    next_pending = transfer.inner._gather_starts(shards1[0]) \
+    next_pending = transfer.inner.gather_starts(shards1[0]) \
         if isinstance(transfer, PairTransfer) else \
-        transfer._gather_starts(shards1)
+        transfer.gather_starts(shards1)
     carry, entered = program_order(enforce=False)(enter_compute)()
     env = dict(zip(traced.jaxpr.constvars, traced.consts))
     env.update(zip(traced.jaxpr.invars[:n_x], jax.tree.leaves(carry)))
@@ -329,7 +356,7 @@ def forward_first(transfer, run_layer, enter_compute, shards0, shards1):
       _free(env, piece, _live_after(order, end, traced.jaxpr.outvars))
     out = jax.tree.unflatten(traced.out_tree,
                              [_read(env, v) for v in traced.jaxpr.outvars])
-    w1 = _finish(next_pending)
+    w1 = finish_moves(next_pending)
     if isinstance(transfer, PairTransfer):
       w1 = (w1, shards1[1])
     return out, entered, w1
@@ -384,9 +411,9 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
 
   @program_order(enforce=True)
   def ordered():
-    prev = transfer.inner._scatter_starts(pending[0]) \
+    prev = transfer.inner.scatter_starts(pending[0]) \
         if isinstance(transfer, PairTransfer) else \
-        transfer._scatter_starts(pending)
+        transfer.scatter_starts(pending)
     env = dict(zip(traced.jaxpr.constvars, traced.consts))
     env.update(zip(traced.jaxpr.invars,
                    jax.tree.leaves(x_bar) + jax.tree.leaves((saved0, w0))))
@@ -404,7 +431,7 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
             _read(env, v) if isinstance(v, jax_core.Literal) or v in env
             else v.aval for v in g_vars])
         if in_flight is None:
-          g1 = _finish(prev)
+          g1 = finish_moves(prev)
         else:
           done.update(in_flight())
         in_flight = layer.start_scatter(grads, groups[j - 1][2])
@@ -417,8 +444,8 @@ def backward_first(transfer, backward, saved0, w0, x_bar, pending,
     done.update(in_flight())
     g0 = jax.tree.unflatten(jax.tree.structure(w0),
                             [done[k] for k in range(len(g_vars))])
-    g1 = transfer.inner._own_dtypes(g1) if isinstance(
-        transfer, PairTransfer) else transfer._own_dtypes(g1)
+    g1 = transfer.inner.own_dtypes(g1) if isinstance(
+        transfer, PairTransfer) else transfer.own_dtypes(g1)
     if isinstance(transfer, PairTransfer):
       g1 = (g1, pending[1])
     return (back, x0), g0, g1

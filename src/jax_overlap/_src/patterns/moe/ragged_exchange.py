@@ -17,7 +17,7 @@ the target is known: an ahead-of-time compile for TPU/GPU from a CPU
 process gets the TPU/GPU form):
 
 * GPU and TPU: the real ragged all-to-all. It is synchronous: XLA has no
-  async ragged all-to-all a program can place (collectives/lowering.py), so
+  async ragged all-to-all a program can place (xla/futures.py), so
   a dropless pass overlaps nothing, which a `CollectiveNotAsyncWarning`
   says once at compile time.
 * CPU, which cannot run one: the dense all-to-all of the padded blocks (the

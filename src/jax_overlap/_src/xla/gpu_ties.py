@@ -30,7 +30,7 @@ blocking. On TPU, where jax can take a future there, the moves are futures
 instead (explicit_futures.py).
 
 A module holding these ties gets GPU's bound on collectives in flight
-raised (`ordering/compile_options.py`, from `count`): a backward step has a
+raised (`compile_options.py`, from `count`): a backward step has a
 gather and a reduce-scatter in flight at once, and with XLA's default of one
 the scheduler makes one of them synchronous.
 """

@@ -14,7 +14,7 @@ collective op it produces into an async pair:
   finished values.
 * GPU/TPU on jax without the custom-call form (`not _compat.ASYNC_CUSTOM_CALLS`;
   the plugins refuse the async region, 'vhlo.async_start_v1'): the start
-  emits the plain collective, marked `_compat.IN_FLIGHT_ATTR`, and the done
+  emits the plain collective, marked `module_marks.IN_FLIGHT_ATTR`, and the done
   is the identity; an ordered block keeps the start's result out of its
   barriers until the done (ordering/barriers.py), so XLA's own async
   conversion splits the collective around the written work (quirks
@@ -54,23 +54,15 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
-from jax_overlap._src import _compat, compile_hook, quirks
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives import not_async
 from jax_overlap._src.collectives import tpu_forms
 from jax_overlap._src.collectives.comm import Comm
 from jax_overlap._src.collectives.misuse import check_finished
 from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p)
-
-
-# op name in StableHLO -> the name XLA's async custom calls use.
-_ASYNC_NAME = {
-    "stablehlo.all_gather": "all-gather",
-    "stablehlo.all_reduce": "all-reduce",
-    "stablehlo.reduce_scatter": "reduce-scatter",
-    "stablehlo.all_to_all": "all-to-all",
-    "stablehlo.collective_permute": "collective-permute",
-}
+from jax_overlap._src.xla import all_to_all_slots, compile_hook, form_rewrites, module_marks
+from jax_overlap._src.xla.module_marks import ASYNC_NAME
 
 
 #: The key of the pairs started in a module, in its lowering cache.
@@ -148,8 +140,8 @@ _TPU_KEEPS_SYNC = {
 
 
 def _mark_in_flight(ctx, op, comm: Comm) -> None:
-  op.attributes[_compat.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
-  name = _ASYNC_NAME[op.name]
+  op.attributes[module_marks.IN_FLIGHT_ATTR] = ir.UnitAttr.get()
+  name = ASYNC_NAME[op.name]
   shard = comm.in_aval
   if name == "all-gather" and "tpu" in _platforms(ctx) and \
       shard.size * shard.dtype.itemsize < quirks.SMALL_PLAIN_TPU_GATHER_BYTES:
@@ -207,9 +199,9 @@ def _lower_form_start(ctx, x, comm, *, split):
   """The TPU form's start (tpu_forms.py): its all-to-all is the pair."""
   form = comm.tpu_form
   if split and _compat.ASYNC_CUSTOM_CALLS and _platforms(ctx) == ("tpu",):
-    if not _take_tpu_all_to_all_slot(ctx):
+    if not all_to_all_slots.take_slot(ctx):
       return _lower_form_start_sync(ctx, x, comm)
-    x = _after_last_tpu_all_to_all(ctx, x)
+    x = all_to_all_slots.after_last_all_to_all(ctx, x)
   sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.flight_aval])
   (buf,) = _compat.lower_jaxpr_inline(sub_ctx, form.start, x)
   op = _collective_op(buf)
@@ -262,92 +254,9 @@ def _mark_sync_collectives(value, stop):
     if id(op) in seen or len(seen) > 64:
       continue
     seen.add(id(op))
-    if op.name in _ASYNC_NAME:
+    if op.name in ASYNC_NAME:
       op.attributes[not_async.SYNC_FUTURE_ATTR] = ir.UnitAttr.get()
     frontier.extend(op.operands)
-
-
-# The TPU compiler fails a module whose fenced order puts two async
-# all-to-alls in flight at once ("kExceedsOverlapLimit"; no option raises that
-# limit): a form's all-to-all starts async only while no other is open. The
-# count is kept per module, in the order starts and dones are lowered, which
-# is the written order that program_order fences.
-_OPEN_KEY = ("jax_overlap", "open TPU all-to-alls")
-
-
-def _take_tpu_all_to_all_slot(ctx) -> bool:
-  cache = ctx.module_context.cached_primitive_lowerings
-  if cache.get(_OPEN_KEY, 0) >= 1:
-    return False
-  cache[_OPEN_KEY] = cache.get(_OPEN_KEY, 0) + 1
-  return True
-
-
-def _free_tpu_all_to_all_slot(ctx, done) -> None:
-  cache = ctx.module_context.cached_primitive_lowerings
-  cache[_OPEN_KEY] = max(cache.get(_OPEN_KEY, 0) - 1, 0)
-  cache[_LAST_KEY] = done
-
-
-# ... and the slot must be free in the compiled order too: XLA may hoist the
-# next start (whose operand is ready) above the previous done, and with the
-# fences around each then finds no schedule. So a form's start waits for
-# the previous form's done, where both are in the same block.
-_LAST_KEY = ("jax_overlap", "last TPU all-to-all done")
-
-
-def _after_last_tpu_all_to_all(ctx, x):
-  """`x`, made to wait for every all-to-all of a form lowered before it:
-  the previous form's done where that is in this block, and the results of
-  each loop, branch or call before it in this block that holds one (XLA may
-  unroll or inline those, and then nothing else orders the two); in a loop
-  body, also the body's arguments (the previous iteration's results)."""
-  last = ctx.module_context.cached_primitive_lowerings.get(_LAST_KEY)
-  here = ir.InsertionPoint.current.block
-  waits = []
-  if last is not None and _block_of(last) == here:
-    waits.append(last)
-  for op in here.operations:
-    op = op.operation if hasattr(op, "operation") else op
-    if op.name in _HOLDERS and len(op.results) and _holds_form(ctx, op):
-      waits.extend(op.results)
-  parent = here.owner
-  if parent is not None and getattr(parent, "name", "") == "stablehlo.while":
-    waits.extend(here.arguments)
-  if not waits:
-    return x
-  return hlo.OptimizationBarrierOp([x, *waits]).results[0]
-
-
-_HOLDERS = ("stablehlo.while", "stablehlo.case", "stablehlo.if", "func.call")
-
-
-def _holds_form(ctx, op) -> bool:
-  found = []
-
-  def visit(inner):
-    if inner.name == "stablehlo.custom_call" and \
-        "all-to-all-start" in str(inner.attributes["call_target_name"]):
-      found.append(inner)
-      return ir.WalkResult.INTERRUPT
-    return ir.WalkResult.ADVANCE
-  try:
-    if op.name == "func.call":
-      callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
-      op = ctx.module_context.symbol_table[callee].operation
-    op.walk(visit)
-  except Exception:  # noqa: BLE001 - cannot tell: assume it does
-    return True
-  return bool(found)
-
-
-def _block_of(value):
-  try:
-    owner = value.owner
-    owner = owner.operation if hasattr(owner, "operation") else owner
-    return owner.block
-  except Exception:  # noqa: BLE001 - a block argument, or unknown
-    return None
 
 
 def _lower_form_done(ctx, buf, comm):
@@ -364,7 +273,7 @@ def _sync_on_this_platform(ctx, op) -> bool:
   platforms = _platforms(ctx)
   if "tpu" not in platforms:
     return False
-  name = _ASYNC_NAME[op.name]
+  name = ASYNC_NAME[op.name]
   why = None
   if name == "reduce-scatter":
     why = ("an async reduce-scatter crashes the TPU compiler (SIGSEGV in "
@@ -401,7 +310,7 @@ def _defining_op(y):
 
 def _collective_op(y):
   op = _defining_op(y)
-  if op is None or op.name not in _ASYNC_NAME or len(op.results) != 1:
+  if op is None or op.name not in ASYNC_NAME or len(op.results) != 1:
     return None
   return op
 
@@ -410,7 +319,7 @@ def _ragged_op(y):
   """The `ragged_all_to_all` custom call `y` comes from, or None."""
   op = _defining_op(y)
   if (op is not None and op.name == "stablehlo.custom_call"
-      and _target(op) == "ragged_all_to_all"):
+      and form_rewrites.target(op) == "ragged_all_to_all"):
     return op
   return None
 
@@ -510,7 +419,7 @@ def _reducer_func(ctx, op) -> str:
 
 
 def _to_custom_call_pair(ctx, op, comm, *, split):
-  name = _ASYNC_NAME[op.name]
+  name = ASYNC_NAME[op.name]
   cfg = _async_config(ctx, op, comm)
   called = []
   if op.name in ("stablehlo.all_reduce", "stablehlo.reduce_scatter"):
@@ -592,7 +501,7 @@ def _lower_done(ctx, in_flight, *operand, comm):
   done = in_flight if name is None else _done_custom_call(name, in_flight)
   if name is not None and comm.tpu_form is not None and \
       _platforms(ctx) == ("tpu",):
-    _free_tpu_all_to_all_slot(ctx, done)
+    all_to_all_slots.free_slot(ctx, done)
   if comm.tpu_form is not None:
     return [_lower_form_done(ctx, done, comm)]
   return [done]
@@ -619,7 +528,7 @@ def _find_start(value):
       return None, None
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     if target.endswith("-start") and target[:-len("-start")] in \
-        _ASYNC_NAME.values():
+        ASYNC_NAME.values():
       return target[:-len("-start")], op
     return None, None
 
@@ -633,116 +542,3 @@ if _compat.ASYNC_CUSTOM_CALLS:
     mlir.register_lowering(collective_start_p,
                            functools.partial(_lower_start, split=True),
                            platform=_platform, cacheable=False)
-
-
-def _form_starts(module) -> list:
-  """The TPU-form all-to-all starts of `module`, in module order."""
-  starts = []
-
-  def visit(op):
-    if op.name == "stablehlo.custom_call" and tpu_forms.FORM_ATTR in op.attributes:
-      starts.append(op)
-    return ir.WalkResult.ADVANCE
-  module.operation.walk(visit)
-  return starts
-
-
-def finish_form_starts_at_once(module) -> int:
-  """Makes each TPU-form all-to-all of `module` finish right where it
-  starts (the pair back to back; what ran between its halves now follows
-  it). Returns how many. For a module holding more than one: libtpu allows
-  one async all-to-all in flight and fails the compile when the fences (or
-  its own unrolling of a short loop) make two overlap."""
-  starts = _form_starts(module)
-  for start_op in starts:
-    started = start_op.results[0]
-    with start_op.location, ir.InsertionPoint(start_op):
-      done = mlir.custom_call("all-to-all-done", result_types=[started.type],
-                              operands=[started], api_version=1)
-    done_op = done.operation if hasattr(done, "operation") else done
-    done_op.move_after(start_op)
-    finished = done_op.results[0]
-    old_dones = []
-    for use in list(started.uses):
-      user = use.owner
-      user = user.operation if hasattr(user, "operation") else user
-      if user == done_op:
-        continue
-      user.operands[use.operand_number] = finished
-    # The old done now reads a finished value through the barriers: drop it.
-    frontier = [finished]
-    while frontier:
-      v = frontier.pop()
-      for use in list(v.uses):
-        user = use.owner
-        user = user.operation if hasattr(user, "operation") else user
-        if user.name == "stablehlo.optimization_barrier":
-          frontier.append(user.results[use.operand_number])
-        elif user.name == "stablehlo.custom_call" and \
-            "all-to-all-done" in str(user.attributes["call_target_name"]) and \
-            user != done_op:
-          old_dones.append(user)
-    for old in old_dones:
-      old.results[0].replace_all_uses_with(old.operands[0])
-      old.erase()
-    del start_op.attributes[tpu_forms.FORM_ATTR]
-  return len(starts)
-
-
-def _target(op) -> str:
-  try:
-    return ir.StringAttr(op.attributes["call_target_name"]).value
-  except (KeyError, ValueError):
-    return ""
-
-
-def _holds_all_to_all_start(op) -> bool:
-  found = []
-
-  def visit(inner):
-    if inner.name == "stablehlo.custom_call" and _target(inner) == "all-to-all-start":
-      found.append(inner)
-      return ir.WalkResult.INTERRUPT
-    return ir.WalkResult.ADVANCE
-  for region in op.regions:
-    for block in region.blocks:
-      for inner in block.operations:
-        inner = inner.operation if hasattr(inner, "operation") else inner
-        inner.walk(visit)
-        if found:
-          return True
-  return False
-
-
-def chain_form_starts(module) -> int:
-  """Makes each TPU-form start of `module` wait for the async all-to-all
-  finished before it in its block (the previous `all-to-all-done`, or a
-  loop, branch or call holding an all-to-all start). Returns how many it
-  tied. Lowering ties them where both are lowered into one block
-  (`_after_last_tpu_all_to_all`), but jax lowers each step of an unrolled
-  scan's ordered blocks apart and splices them together later: without the
-  tie XLA may schedule the next start above the previous done, and libtpu,
-  which allows one async all-to-all in flight, then refuses the module
-  (`kExceedsOverlapLimit`). The tie only states the order libtpu needs; the
-  starts can still run ahead of the compute around them."""
-  starts = _form_starts(module)
-  tied = 0
-  for start_op in starts:
-    last = None
-    for op in start_op.block.operations:
-      op = op.operation if hasattr(op, "operation") else op
-      if op == start_op:
-        break
-      if op.name == "stablehlo.custom_call" and _target(op) == "all-to-all-done":
-        last = op
-      elif op.name in _HOLDERS and len(op.results) and op.regions and \
-          _holds_all_to_all_start(op):
-        last = op
-    if last is None:
-      continue
-    operand = start_op.operands[0]
-    with start_op.location, ir.InsertionPoint(start_op):
-      barrier = hlo.OptimizationBarrierOp([operand, *last.results])
-    start_op.operands[0] = barrier.results[0]
-    tied += 1
-  return tied

@@ -10,9 +10,9 @@ by tests/ordering/compile_hook_test.py (in a fresh process).
 
 What it does for a module the library owns:
 - `options` hooks add XLA options to its compile (the user's
-  `compiler_options` win): `ordering/compile_options.py`;
+  `compiler_options` win): `compile_options.py`;
 - on a CPU compiler that drops barriers before scheduling, the barriers are
-  kept (`keep_cpu_order`, set by `ordering/compiled_order.py`);
+  kept (`keep_cpu_order`, set by `compiled_order.py`);
 - `retry` hooks may rewrite a module the backend refused and have it
   compiled once more.
 """
@@ -28,6 +28,7 @@ from jax._src.interpreters import pxla
 from jax._src.lib.mlir import ir
 
 from jax_overlap._src import _compat
+from jax_overlap._src.xla import module_marks
 
 #: Set on a module by the library's lowering rules (futures, program_order).
 OWNED_MODULE_ATTR = "jax_overlap.owned"
@@ -73,9 +74,9 @@ def owns(computation) -> bool:
     attributes = computation.operation.attributes
   except AttributeError:  # not an MLIR module (e.g. a serialized one)
     return False
-  if OWNED_MODULE_ATTR in attributes or _compat.ORDERED_MODULE_ATTR in attributes:
+  if OWNED_MODULE_ATTR in attributes or module_marks.ORDERED_MODULE_ATTR in attributes:
     return True
-  return _compat.holds_op(computation, "stablehlo.optimization_barrier")
+  return module_marks.holds_op(computation, "stablehlo.optimization_barrier")
 
 
 def installed() -> bool:
@@ -163,11 +164,11 @@ def _cpu_passes_to_keep(computation, platform) -> list[str]:
   """The passes to disable so that a CPU compile keeps an ordered module's
   barriers until scheduling, where this jaxlib would drop them first."""
   if (not _KEEP_CPU_ORDER[0] or platform != "cpu"
-      or not _compat._is_marked_ordered(computation)
+      or not module_marks.is_marked_ordered(computation)
       or not _compat.cpu_expands_barriers_before_scheduling()):
     return []
   passes = [_compat.KEEP_BARRIERS_PASS]
-  if _compat._holds_loop(computation):
+  if module_marks.holds_op(computation, "stablehlo.while"):
     passes.append(_compat.LOOP_HOISTING_PASS)
   return passes
 

@@ -1,6 +1,6 @@
 """Where the barriers appear: lowering of the `program_order` primitive.
 
-An ordered block (enforce=True) is re-emitted by `barriers.run_in_order`; a
+An ordered block (enforce=True) is re-emitted by `ordering/barriers.run_in_order`; a
 free block (enforce=False) is inlined as it is. On jax >= 0.12 ordered blocks
 are "high" primitives, lowered by `to_lojax` into the `lojax` jaxpr (where
 jax's own `program_order` puts its barriers too); on older jax the MLIR
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from jax._src.interpreters import mlir
 
-from jax_overlap._src import _compat, compile_hook
+from jax_overlap._src import _compat
 from jax_overlap._src.ordering.barriers import run_in_order
-from jax_overlap._src.ordering.compiled_order import note_ordered_block
 from jax_overlap._src.ordering.primitive import bind, program_order_p
+from jax_overlap._src.xla import compile_hook, futures
+from jax_overlap._src.xla.compiled_order import note_ordered_block
 
 
 def _ordered_body(closed, args, *, strict_in, strict_out, leave_in_flight=False):
@@ -68,7 +69,6 @@ def _mlir_lowering(ctx, *args, call_jaxpr, enforce, strict_in, strict_out,
   compile_hook.mark_owned(ctx.module_context)
   if enforce:
     note_ordered_block(ctx, call_jaxpr)
-    from jax_overlap._src.collectives import lowering as futures  # noqa: PLC0415
     leave = futures.leaves_in_flight(tuple(ctx.module_context.platforms or ()))
     lowered = mlir.lower_fun(
         lambda *xs: _ordered_body(call_jaxpr, xs, strict_in=strict_in,

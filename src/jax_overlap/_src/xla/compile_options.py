@@ -41,7 +41,7 @@ holding several such futures:
 
 * on v5e (quirks.py, "tpu-forms-in-flight"), each form's start is tied after
   the all-to-all finished before it in its block
-  (`lowering.chain_form_starts`): lowering ties those it lowers into one
+  (`form_rewrites.chain_form_starts`): lowering ties those it lowers into one
   block, but jax lowers each step of an unrolled scan apart, and the
   compiler refuses fsdp_scan's backward untied. Tied, each reduce-scatter
   but the last has a matmul in flight (tests/aot/tpu_forms_compiled_test.py::
@@ -61,7 +61,7 @@ holding several such futures:
   scalar).
 
 A GPU module holding `fsdp_scan`'s tied steps on an explicit mesh
-(`ordering/gpu_ties.py`) gets the GPU bound raised to the number of
+(`gpu_ties.py`) gets the GPU bound raised to the number of
 ties (two a step), as if each were a start: a backward step has the
 partitioner's gather and reduce-scatter in flight at once. It also gets
 `xla_gpu_enable_latency_hiding_scheduler=True` (the scheduler that places the
@@ -82,9 +82,10 @@ from typing import Any
 
 from jax._src.lib.mlir import ir
 
-from jax_overlap._src import _compat, compile_hook, quirks
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.collectives import not_async
-from jax_overlap._src.ordering import gpu_ties
+from jax_overlap._src.ordering import block_collectives
+from jax_overlap._src.xla import compile_hook, form_rewrites, gpu_ties, module_marks
 
 GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 GPU_LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
@@ -209,7 +210,7 @@ def fenced_sync_collectives(computation) -> list[str]:
   feeding an `optimization_barrier` and either reading one's result, as every
   collective inside an ordered block does (barriers.py fences the outputs of
   one that ends a block), or, where it starts the block and reads the block's
-  inputs, bound in `not_async.FENCED_SCOPE`. One that only reads a block's
+  inputs, bound in `block_collectives.FENCED_SCOPE`. One that only reads a block's
   result, after it, is left to XLA and not said; nor is a future that had to
   be lowered synchronously (it was said already); nor one with work beside it
   between its fences (`_has_company`: a collective in a free block,
@@ -221,8 +222,8 @@ def fenced_sync_collectives(computation) -> list[str]:
   def visit(op):
     if (op.name in _SYNC_COLLECTIVES
         and not_async.SYNC_FUTURE_ATTR not in op.attributes
-        and _compat.IN_FLIGHT_ATTR not in op.attributes
-        and (not_async.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
+        and module_marks.IN_FLIGHT_ATTR not in op.attributes
+        and (block_collectives.FENCED_SCOPE in str(op.location) or _reads_a_barrier(op))
         and _feeds_a_barrier(op) and not _has_company(op)):
       found.append(_SYNC_COLLECTIVES[op.name])
     return ir.WalkResult.ADVANCE
@@ -245,7 +246,7 @@ def _options_for(computation, platform: str, user_options, *,
   fenced = fenced_sync_collectives(computation)
   if fenced:
     not_async.warn_fenced_sync_collective(platform, fenced)
-  starts = _compat.async_collective_starts(computation)
+  starts = module_marks.async_collective_starts(computation)
   ties = _explicit_fsdp_ties(computation) if platform in _GPU_PLATFORMS else 0
   if ties:
     # fsdp_scan on an explicit mesh: each tied step may have a gather and a
@@ -257,7 +258,7 @@ def _options_for(computation, platform: str, user_options, *,
     wanted[TPU_EXPERIMENTAL_SCHEDULER] = True
   if (platform in _GPU_PLATFORMS and _holds_plain_futures(computation)
       and quirks.applies("gpu-plain-future", platform)):
-    # jax < 0.12: the futures are plain collectives (collectives/lowering.py),
+    # jax < 0.12: the futures are plain collectives (futures.py),
     # which XLA's combiners merge when nothing orders them (fsdp_scan's first
     # step starts layer 0's and layer 1's gathers together: one gather, done
     # before the first matmul); each stays the future it was written as.
@@ -291,10 +292,10 @@ def _options_for(computation, platform: str, user_options, *,
 
 def _holds_plain_futures(computation) -> bool:
   """Whether the module holds a future's plain collective
-  (`_compat.IN_FLIGHT_ATTR`, jax < 0.12)."""
+  (`module_marks.IN_FLIGHT_ATTR`, jax < 0.12)."""
   if _compat.ASYNC_CUSTOM_CALLS:
     return False
-  return _holds(computation, lambda op: _compat.IN_FLIGHT_ATTR in op.attributes)
+  return module_marks.holds(computation, lambda op: module_marks.IN_FLIGHT_ATTR in op.attributes)
 
 
 #: The MLIR collectives (and ragged all-to-all's custom call) XLA runs.
@@ -303,40 +304,23 @@ _COLLECTIVE_OPS = (*_SYNC_COLLECTIVES, "stablehlo.collective_broadcast")
 
 def _only_future_collectives(computation) -> bool:
   """Whether every collective of the module is a future's plain collective
-  (`_compat.IN_FLIGHT_ATTR`, jax < 0.12): none is XLA's or the user's own."""
+  (`module_marks.IN_FLIGHT_ATTR`, jax < 0.12): none is XLA's or the user's own."""
   def xlas_own(op):
     if op.name == "stablehlo.custom_call":
       return "ragged_all_to_all" in str(op.attributes["call_target_name"])
-    return op.name in _COLLECTIVE_OPS and _compat.IN_FLIGHT_ATTR not in op.attributes
-  return _holds_plain_futures(computation) and not _holds(computation, xlas_own)
+    return op.name in _COLLECTIVE_OPS and module_marks.IN_FLIGHT_ATTR not in op.attributes
+  return _holds_plain_futures(computation) and not module_marks.holds(computation, xlas_own)
 
 
 def _holds_plain_all_reduce(computation) -> bool:
   """Whether the module holds a `psum_start`'s plain all-reduce (jax < 0.12)."""
-  return _holds(computation, lambda op: op.name == "stablehlo.all_reduce"
-                and _compat.IN_FLIGHT_ATTR in op.attributes)
+  return module_marks.holds(computation, lambda op: op.name == "stablehlo.all_reduce"
+                and module_marks.IN_FLIGHT_ATTR in op.attributes)
 
 
 def _holds_a_loop(computation) -> bool:
   """Whether the module holds a `stablehlo.while`."""
-  return _holds(computation, lambda op: op.name == "stablehlo.while")
-
-
-def _holds(computation, match) -> bool:
-  """Whether an op of the MLIR module satisfies `match` (False for anything
-  that is not an MLIR module)."""
-  found = []
-
-  def visit(op):
-    if match(op):
-      found.append(op)
-      return ir.WalkResult.INTERRUPT
-    return ir.WalkResult.ADVANCE
-  try:
-    computation.operation.walk(visit)
-  except AttributeError:  # not an MLIR module
-    return False
-  return bool(found)
+  return module_marks.holds(computation, lambda op: op.name == "stablehlo.while")
 
 
 def _explicit_fsdp_ties(computation) -> int:
@@ -345,23 +329,21 @@ def _explicit_fsdp_ties(computation) -> int:
 
 def _form_count(computation) -> int:
   try:
-    return _compat.async_collective_starts(computation).get("all-to-all", 0)
+    return module_marks.async_collective_starts(computation).get("all-to-all", 0)
   except Exception:  # noqa: BLE001 - not an MLIR module
     return 0
 
 
 def _chain_forms(computation) -> None:
   """Each TPU-form start tied after the all-to-all finished before it
-  (`lowering.chain_form_starts`): libtpu then keeps them one at a time."""
-  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
+  (`form_rewrites.chain_form_starts`): libtpu then keeps them one at a time."""
   with computation.context:
-    lowering.chain_form_starts(computation)
+    form_rewrites.chain_form_starts(computation)
 
 
 def _finish_forms_at_once(computation, device_kind) -> None:
-  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
   with computation.context:
-    done = lowering.finish_form_starts_at_once(computation)
+    done = form_rewrites.finish_form_starts_at_once(computation)
   if done:
     not_async.warn_once("tpu:several-all-to-alls", (
         f"{done} futures on tpu ({device_kind or 'unknown generation'}) in one "
@@ -389,10 +371,9 @@ def _finish_forms_when_refused(computation, platform, error) -> bool:
   starts, to be compiled again. Any other failure is left as it is."""
   if platform != "tpu" or not refused_for_two_all_to_alls(error):
     return False
-  from jax_overlap._src.collectives import lowering  # noqa: PLC0415
   try:
     with computation.context:
-      done = lowering.finish_form_starts_at_once(computation)
+      done = form_rewrites.finish_form_starts_at_once(computation)
   except AttributeError:  # not an MLIR module
     return False
   if not done:

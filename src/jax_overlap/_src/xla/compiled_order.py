@@ -16,7 +16,9 @@ import warnings
 import jax
 from jax._src import core
 
-from jax_overlap._src import _compat, compile_hook
+from jax_overlap._src import _compat
+from jax_overlap._src.collectives.primitives import collective_start_p
+from jax_overlap._src.xla import compile_hook, futures, module_marks
 
 #: Set JAX_OVERLAP_KEEP_CPU_ORDER=0 to compile ordered CPU programs as XLA
 #: would by itself (then the order is not kept there, and we warn).
@@ -43,7 +45,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def note_ordered_block(ctx, body) -> None:
   """Called while an ordered block is lowered by its MLIR rule (jax < 0.12)."""
-  _compat.mark_module_ordered(ctx.module_context)
+  module_marks.mark_module_ordered(ctx.module_context)
   platforms = tuple(ctx.module_context.platforms or ())
   if "cpu" in platforms and not _CPU_KEEPER_INSTALLED:
     _warn_once("cpu", (
@@ -53,7 +55,6 @@ def note_ordered_block(ctx, body) -> None:
         "way): the compiled CPU program may not keep the written order "
         "(values are unaffected)."))
   accelerators = [p for p in platforms if p != "cpu"]
-  from jax_overlap._src.collectives import lowering as futures  # noqa: PLC0415
   if (accelerators and not _compat.ASYNC_CUSTOM_CALLS
       and not futures.leaves_in_flight(platforms)
       and _starts_future(_compat.open_jaxpr(body))):
@@ -66,7 +67,6 @@ def note_ordered_block(ctx, body) -> None:
 
 
 def _starts_future(jaxpr: core.Jaxpr) -> bool:
-  from jax_overlap._src.collectives.primitives import collective_start_p  # noqa: PLC0415
   for eqn in jaxpr.eqns:
     if eqn.primitive is collective_start_p:
       return True
