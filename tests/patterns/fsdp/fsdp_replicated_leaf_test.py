@@ -7,7 +7,7 @@ Before 0.12, jax's own `optimization_barrier` made every operand vary over
 the same mesh axes, so the replicated leaf's gradient came back typed as
 varying over the fsdp axis and the custom vjp refused it ("Custom VJP bwd
 rule must produce an output with the same type"); the engine now uses
-`_compat.barrier`, which keeps each leaf's type. `prefetch=1` (no barrier)
+`ordering.barrier_op.barrier`, which keeps each leaf's type. `prefetch=1` (no barrier)
 is the case that always worked. Tiny shapes, one compile a case.
 """
 

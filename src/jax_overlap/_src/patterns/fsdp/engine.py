@@ -27,6 +27,7 @@ from jax import lax
 
 from jax_overlap._src import _compat
 
+from jax_overlap._src.ordering import barrier_op
 from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src.patterns.fsdp import use_order
 from jax_overlap._src.patterns.fsdp.layer_inputs import (differentiable,
@@ -111,12 +112,12 @@ class _Executor:
       # The backward pass reads the stack through a barrier: else a regather
       # can be the very op of a forward gather (same layer, same operand) and
       # XLA merges the two starts, which have two dones (the H100 compiler's
-      # verifier refused 6 layers with prefetch=3 so). `_compat.barrier`
+      # verifier refused 6 layers with prefetch=3 so). `barrier_op.barrier`
       # keeps each leaf's type: jax < 0.12's own barrier made a replicated
       # leaf vary over the axis, and its gradient then broke the custom
       # vjp's type (fsdp_replicated_leaf_test).
       leaves, tree = jax.tree.flatten(params)
-      params = jax.tree.unflatten(tree, _compat.barrier(leaves))
+      params = jax.tree.unflatten(tree, barrier_op.barrier(leaves))
     b = _Backward(params, _Saved(pieces), ends_saved, kept_last, out_bar)
     # Integer, boolean and key parts of xs have float0 cotangents: a scalar
     # stands in their stack during the loop, float0 zeros come back.
