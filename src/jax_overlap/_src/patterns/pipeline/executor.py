@@ -17,7 +17,9 @@ tick, which XLA does not define (on CPU its rendezvous waits forever), so a
 model whose stage, loss or embedding holds a collective runs in `lockstep`:
 at each tick every device runs the same program, one slot for each kind of
 action the tick holds, each device's flags masking what it keeps
-(work.py). Values and gradients equal the plain model's:
+(work.py). A tick reads the parameters through a barrier on the loss the
+tick before starts from (`_gate`), so its weight gathers start a tick or
+two early at most. Values and gradients equal the plain model's:
 tests/patterns/pipeline/pipeline_loss_test.py, pipeline_compose_test.py.
 """
 
@@ -28,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_overlap._src import _compat
 from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
@@ -86,9 +89,11 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   work = Work(model, m, with_grads, vary, zero_act, layout)
   me = jax.lax.axis_index(axis)
   pending = []
+  gated = params
   for t, tick in enumerate(prog.ticks):
     with jax.named_scope(f"pipeline_tick_{t}"):   # profiles name the tick
-      operands = (state, params, consts, xs, targets, _pick(tick.microbatch, me),
+      tick_params, gated = gated, _gate(params, state)
+      operands = (state, tick_params, consts, xs, targets, _pick(tick.microbatch, me),
                   _pick(tick.chunk, me), _pick(tick.slot, me))
       run = _lockstep_tick if dispatch == "lockstep" else _switch_tick
       state, out_fwd, out_bwd = run(tick, work, operands, me)
@@ -134,6 +139,25 @@ def reduce_like(value, like):
   extra = tuple(sorted((a for a in _varying.varying(value) if a not in have),
                        key=str))
   return jax.lax.psum(value, extra) if extra else value
+
+
+def _gate(params, state):
+  """`params` as the next tick reads them: their float leaves tied by an
+  optimization barrier to the loss this tick starts from (a scalar every
+  forward tick renews), so what the next tick computes from its parameters
+  alone (an FSDP stage's weight gathers) can start no more than a tick or
+  two early. Without it the lockstep ticks' gathers, which need nothing but
+  the parameters, were started near the program's start (XLA:TPU held 63
+  gathered layers at its peak: the v5e bench's 1F1B temp 3,609 MiB;
+  docs/pipeline.md). Tying them to the whole state instead made the H100
+  compiler's step a half longer. Pinned by tests/aot/pipeline_compiled_test.py
+  (`test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most`)."""
+  leaves, tree = jax.tree.flatten(params)
+  at = [k for k, a in enumerate(leaves) if is_float(a)]
+  out = _compat.barrier([leaves[k] for k in at] + [state["loss"]])
+  for k, a in zip(at, out):
+    leaves[k] = a
+  return jax.tree.unflatten(tree, leaves)
 
 
 def _pick(table, me):
