@@ -30,8 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_overlap._src import _compat
 from jax_overlap._src.collectives.api import ppermute_start
+from jax_overlap._src.ordering import barrier_op
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
@@ -149,12 +149,16 @@ def _gate(params, state):
   two early. Without it the lockstep ticks' gathers, which need nothing but
   the parameters, were started near the program's start (XLA:TPU held 63
   gathered layers at its peak: the v5e bench's 1F1B temp 3,609 MiB;
-  docs/pipeline.md). Tying them to the whole state instead made the H100
-  compiler's step a half longer. Pinned by tests/aot/pipeline_compiled_test.py
+  docs/pipeline.md). The tie is lowered for TPU only (`platform_dependent`,
+  resolved at lowering, as xla/gpu_ties.py's for GPU): on the H100 it made
+  the step 5% longer and the temp bytes 8% larger. Pinned by
+  tests/aot/pipeline_compiled_test.py
   (`test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most`)."""
   leaves, tree = jax.tree.flatten(params)
   at = [k for k, a in enumerate(leaves) if is_float(a)]
-  out = _compat.barrier([leaves[k] for k in at] + [state["loss"]])
+  tied = [leaves[k] for k in at] + [state["loss"]]
+  out = jax.lax.platform_dependent(tied, tpu=barrier_op.barrier,
+                                   default=lambda values: list(values))
   for k, a in zip(at, out):
     leaves[k] = a
   return jax.tree.unflatten(tree, leaves)
