@@ -140,6 +140,13 @@ def _tick():
   return cp.pipeline_stage_tick()
 
 
+def _stage_microbatches(recompute: bool):
+  def build():
+    import chip_programs as cp  # noqa: PLC0415
+    return cp.pipeline_stage_microbatches(recompute)
+  return build
+
+
 #: name -> (what it is, builder of (jitted, args)).
 PROGRAMS = {
     **{f"matmul_{n}_{dt}{'_highest' if p else ''}": (
@@ -196,6 +203,13 @@ PROGRAMS = {
     "pipeline_stage_tick_f32": (
         "one stage of the demo's pipeline (fsdp_scan over 2 blocks, width "
         "1024), forward + vjp of a 4x128-token microbatch, f32", _tick),
+    "pipeline_stage_4_microbatches_kept_f32": (
+        "that stage's gradient over 4 microbatches, every forward first, "
+        "each keeping its residuals (pipeline_loss(recompute=False))",
+        _stage_microbatches(False)),
+    "pipeline_stage_4_microbatches_recomputed_f32": (
+        "the same, each backward recomputing its forward (recompute=True)",
+        _stage_microbatches(True)),
 }
 
 

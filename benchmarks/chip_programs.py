@@ -308,3 +308,42 @@ def pipeline_stage_tick():
     return y, dw, dx
   return tick, (blocks, x, ct)
 
+
+
+def pipeline_stage_microbatches(recompute: bool, microbatches: int = 4):
+  """(jitted, args): the gradient of one stage of the demo's pipeline over
+  `microbatches` microbatches (as `pipeline_stage_tick`'s), all forwards
+  first, each keeping its residuals in HBM (`recompute=False`: what
+  `pipeline_loss(recompute=False)` keeps between a microbatch's F and B),
+  or keeping only its input and recomputing the forward in the backward
+  (`recompute=True`: `jax.checkpoint` of the stage, as
+  `pipeline_loss(recompute=True)`). Its two timings say what keeping
+  residuals costs against recomputing on the chip, for the model to be
+  checked against."""
+  from jax_overlap._src.demo import model, pipeline  # noqa: PLC0415
+  from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
+  cfg, mesh, params, specs = _pipeline_setup(1)
+  blocks, block_specs = params["blocks"], specs["blocks"]
+  shape = (microbatches, PIPELINE["microbatch"], cfg.seq, cfg.d)
+  rows = P(None, (pipeline.PP, pipeline.FSDP))
+  xs = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), shape),
+                      NamedSharding(mesh, rows))
+  cts = jax.device_put(jax.random.normal(jax.random.PRNGKey(3), shape),
+                       NamedSharding(mesh, rows))
+
+  def stage(w, x):
+    w = jax.tree.map(lambda a: a[0], w)
+    return fsdp_scan(model.block(cfg), x, w, axis=pipeline.FSDP, shard_dims=1,
+                     params_first=True)
+  if recompute:
+    stage = jax.checkpoint(stage)
+
+  @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(block_specs, rows, rows),
+                 out_specs=(block_specs, rows))
+  def grads(w, xs, cts):
+    def loss(w, xs):
+      ys = [stage(w, xs[i]) for i in range(microbatches)]
+      return sum(jnp.vdot(y, cts[i]) for i, y in enumerate(ys))
+    return jax.grad(loss, argnums=(0, 1))(w, xs)
+  return grads, (blocks, xs, cts)
