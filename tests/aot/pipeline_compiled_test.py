@@ -118,10 +118,10 @@ def test_kept_residuals_are_flat_in_m_and_their_step_is_shorter():
   assert step[False, 8 * STAGES] < step[True, 8 * STAGES]
 
 
-def _lockstep_compiled(name, inner):
+def _lockstep_compiled(name, inner, m=M):
   """4 stages x 2 devices of a second axis, each stage holding collectives
   over it (so pipeline_loss runs in lockstep): 'tp', a Megatron MLP with a
-  psum; 'cp', ring attention over the sequence."""
+  psum; 'cp', ring attention over the sequence; `m` microbatches."""
   tgt = target(name)
   mesh = Mesh(np.array(tgt.mesh.devices).reshape(STAGES, -1), ("pp", inner))
   heads, hd, seq = 4, D // 4, 128
@@ -150,10 +150,10 @@ def _lockstep_compiled(name, inner):
   if inner == "tp":
     w = {"a": sd((STAGES, D, D), P("pp", None, "tp")),
          "b": sd((STAGES, D, D), P("pp", "tp", None))}
-    xs = ts = sd((M, BATCH, D), P())
+    xs = ts = sd((m, BATCH, D), P())
   else:
     w = {n: sd((STAGES, D, D), P("pp")) for n in "abc"}
-    xs = ts = sd((M, 2, seq, D), P(None, None, "cp"))
+    xs = ts = sd((m, 2, seq, D), P(None, None, "cp"))
   return jax.jit(jax.value_and_grad(loss)).lower(w, xs, ts).compile().as_text()
 
 
@@ -165,8 +165,10 @@ def _lockstep_compiled(name, inner):
 def test_lockstep_stages_keep_their_sends_in_flight(name, inner):
   """A stage holding collectives over another axis runs in lockstep (no
   switch): it compiles, and the stage-to-stage sends (and, with a ring, its
-  rotations) are async pairs with compute between."""
-  text = _lockstep_compiled(name, inner)
+  rotations) are async pairs with compute between. The tp stage runs 4
+  microbatches (one a stage: 11 of 11 pairs with compute on the H100 in 37 s
+  of compile, where 8 took 123 s for 20 of 20)."""
+  text = _lockstep_compiled(name, inner, m=STAGES if inner == "tp" else M)
   pairs, computing = permute_windows(text)
   print(f"{name} lockstep {inner}: {len(pairs)} async permute pairs, "
         f"{len(computing)} with compute between")
