@@ -10,6 +10,10 @@ of 2 sequences (one a device), f32, the training loss's `value_and_grad`:
                          schedule runs the backward, sends are
                          `ppermute_start` futures in flight over the next
                          tick.
+  1f1b, gathered once    1F1B with each stage's blocks gathered over FSDP
+  [, recompute]          once, before the pipeline (MaxText's ag_once), each
+                         stage its blocks unrolled; `recompute=True` or the
+                         platform's default.
   shift (MaxText)        the approach MaxText and jax's shard_map notebook
                          write: a `lax.scan` over m + p - 1 iterations, every
                          stage running its stage on what it holds (stage 0
@@ -61,7 +65,12 @@ from jax_overlap._src.patterns import varying as _varying  # noqa: E402
 
 PROFILE = {"gpu_h100": "h100", "tpu_v5e": "tpu-v5e"}
 STAGES, FSDP = 4, 2
-VARIANTS = ("gpipe", "1f1b", "zb-h1", "shift (MaxText)")
+VARIANTS = ("gpipe", "1f1b", "zb-h1", "1f1b, gathered once",
+            "1f1b, gathered once, recompute", "shift (MaxText)")
+#: variant -> pipelined_loss's keywords for the variants beyond a schedule
+#: (docs/pipeline.md "Gathering a stage's weights once a step").
+HOW = {"1f1b, gathered once": dict(gather_once=True),
+       "1f1b, gathered once, recompute": dict(gather_once=True, recompute=True)}
 
 
 def shift_loss(cfg, mesh, param_specs, m):
@@ -120,15 +129,20 @@ def program(variant, mesh, width, m):
       a.shape, a.dtype, sharding=NamedSharding(mesh, s)), shapes, specs)
   tokens = jax.ShapeDtypeStruct((m * FSDP, cfg.seq), jnp.int32,
                                 sharding=NamedSharding(mesh, P(pipeline.FSDP)))
-  loss = (shift_loss(cfg, mesh, specs, m) if variant == "shift (MaxText)"
-          else pipeline.pipelined_loss(cfg, mesh, specs, m, variant))
+  if variant == "shift (MaxText)":
+    loss = shift_loss(cfg, mesh, specs, m)
+  elif variant in HOW:
+    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, "1f1b", **HOW[variant])
+  else:
+    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, variant)
   return jax.value_and_grad(loss), (params, tokens, tokens)
 
 
 def bubble(variant, m):
   if variant == "shift (MaxText)":
     return (STAGES - 1) / (m + STAGES - 1)
-  plan = jax_overlap.pipeline_schedule(variant, STAGES, m)   # what pipeline_loss runs
+  schedule = "1f1b" if variant in HOW else variant
+  plan = jax_overlap.pipeline_schedule(schedule, STAGES, m)   # what pipeline_loss runs
   return plan.simulate().bubble_fraction
 
 

@@ -51,17 +51,21 @@ def logits_loss(vocab: int):
 
 
 def pipelined_loss(cfg: model.Config, mesh, param_specs, microbatches: int,
-                   schedule: str = "1f1b", *, gather_once: bool = False):
+                   schedule: str = "1f1b", *, gather_once: bool = False,
+                   recompute=None):
   """(params, tokens, targets) -> the mean loss; tokens [batch, seq] sharded
   over 'fsdp', split into `microbatches` along the batch. `gather_once`: the
   stages' blocks gathered over 'fsdp' once, before the pipeline, each stage a
-  plain scan (docs/pipeline.md "Gathering a stage's weights once a step")."""
+  plain scan (docs/pipeline.md "Gathering a stage's weights once a step").
+  `recompute`: `pipeline_loss`'s (None: its default)."""
   from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
   from jax_overlap._src.patterns.pipeline.loss import pipeline_loss  # noqa: PLC0415
 
   def stage(w, x):            # w: this stage's blocks, [layers/p, d/fsdp, ...]
-    if gather_once:           # [layers/p, d, ...], whole
-      return jax.lax.scan(lambda x, wl: (model.block(cfg)(wl, x), None), x, w)[0]
+    if gather_once:           # [layers/p, d, ...], whole; unrolled (a stage's
+      for layer in range(jax.tree.leaves(w)[0].shape[0]):   # few blocks)
+        x = model.block(cfg)(jax.tree.map(lambda a, k=layer: a[k], w), x)
+      return x
     return fsdp_scan(model.block(cfg), x, w, axis=FSDP, shard_dims=1,
                      params_first=True)
 
@@ -72,8 +76,9 @@ def pipelined_loss(cfg: model.Config, mesh, param_specs, microbatches: int,
     if gather_once:           # dim 2 of [1, layers/p, d/fsdp, ...]
       blocks = jax.tree.map(
           lambda a: jax.lax.all_gather(a, FSDP, axis=2, tiled=True), blocks)
+    how = {} if recompute is None else {"recompute": recompute}
     loss = pipeline_loss(stage, logits_loss(cfg.vocab), blocks, xs,
-                         split(targets), axis=PP, schedule=schedule)
+                         split(targets), axis=PP, schedule=schedule, **how)
     return jax.lax.pmean(loss, FSDP)
 
   return jax.shard_map(body, mesh=mesh,
