@@ -159,7 +159,9 @@ def measure(target, variant, width, m) -> dict:
     t = report.totals
     rec.update(step_s=report.step_s, compute_s=report.compute_s,
                comm_s=t["comm_s"], exposed_s=t["exposed_s"],
-               temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+               temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+               # bytes the collectives move, each times its modelled runs
+               comm_bytes=sum(c.bytes * c.runs for c in report.collectives))
   except Exception as e:  # noqa: BLE001 - a failed compile is a result
     rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
   return rec
@@ -178,20 +180,26 @@ def markdown(meta, records) -> str:
          "modelled by the library's report on the real compilers' schedules "
          "(ahead of time), not measured; bubble under unit costs.", "",
          "| target | variant | step (us) | compute (us) | comm (us) | exposed (us) "
-         "| bubble | temp (MiB) | step / shift's |", "|---|---|---|---|---|---|---|---|---|"]
+         "| bubble | temp (MiB) | moved (MiB) | step / shift's | moved / shift's |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
   base = {r["target"]: r for r in records if r["variant"] == "shift (MaxText)"
           and "error" not in r}
   for r in records:
     if "error" in r:
       out.append(f"| {r['target']} | {r['variant']} | failed: {r['error'][:80]} "
-                 "| | | | | | |")
+                 "| | | | | | | | |")
       continue
     b = base.get(r["target"])
     ratio = f"{r['step_s'] / b['step_s']:.2f}" if b else "-"
+    moved = r.get("comm_bytes")
+    moved_ratio = (f"{moved / b['comm_bytes']:.2f}"
+                   if b and moved is not None and b.get("comm_bytes") else "-")
     out.append(f"| {r['target']} | {r['variant']} | {r['step_s'] * 1e6:.0f} | "
                f"{r['compute_s'] * 1e6:.0f} | {r['comm_s'] * 1e6:.0f} | "
                f"{r['exposed_s'] * 1e6:.0f} | {r['bubble_unit_costs']:.3f} | "
-               f"{r['temp_bytes'] / 2**20:.1f} | {ratio} |")
+               f"{r['temp_bytes'] / 2**20:.1f} | "
+               f"{'-' if moved is None else f'{moved / 2**20:.0f}'} | {ratio} | "
+               f"{moved_ratio} |")
   return "\n".join(out) + "\n"
 
 
@@ -236,7 +244,8 @@ def main() -> int:
         print(f"{target} {r['variant']} / shift: modelled step "
               f"{r['step_s'] / base['step_s']:.2f}x, exposed comm "
               f"{r['exposed_s'] / max(base['exposed_s'], 1e-12):.2f}x, temp "
-              f"{r['temp_bytes'] / base['temp_bytes']:.2f}x")
+              f"{r['temp_bytes'] / base['temp_bytes']:.2f}x, moved "
+              f"{r.get('comm_bytes', 0) / max(base.get('comm_bytes', 0), 1):.2f}x")
   from bench_vs_xla import versions  # noqa: PLC0415
   run = {"command": "python benchmarks/bench_pipeline.py " + shlex.join(sys.argv[1:]),
          "date": datetime.datetime.now(datetime.timezone.utc).strftime(

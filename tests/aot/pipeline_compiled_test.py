@@ -9,6 +9,8 @@ step's temporary memory on the H100 compiler is flat in m (its buffer rows
 are the schedule's live activations), GPipe's grows with m (CPU memory is
 no guide: its buffer assignment does not follow the schedule)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_overlap
 from compilers import target
+from jax_overlap._src import _compat, quirks
 from jax_overlap._src.patterns.pipeline import buffers
+from jax_overlap._src.xla import tick_gate
 from schedule import windows
 
 D, BATCH, M, STAGES = 256, 64, 8, 4
@@ -32,6 +36,10 @@ def _mse(y, t):
 
 
 def _compiled(name, schedule, v=1, m=M, recompute=False, width=D, batch=BATCH):
+  return _lowered(name, schedule, v, m, recompute, width, batch).compile()
+
+
+def _lowered(name, schedule, v=1, m=M, recompute=False, width=D, batch=BATCH):
   tgt = target(name)
   mesh = Mesh(np.array(tgt.mesh.devices).reshape(STAGES, -1), ("pp", "dp"))
 
@@ -50,7 +58,7 @@ def _compiled(name, schedule, v=1, m=M, recompute=False, width=D, batch=BATCH):
                                 sharding=NamedSharding(mesh, spec))
   w = {n: sd((STAGES * v, width, width), P("pp")) for n in "ab"}
   xs, ts = (sd((m, batch, width), P(None, "dp")) for _ in range(2))
-  return jax.jit(jax.value_and_grad(loss)).lower(w, xs, ts).compile()
+  return jax.jit(jax.value_and_grad(loss)).lower(w, xs, ts)
 
 
 def _step_text(name, schedule, v=1, m=M):
@@ -201,6 +209,18 @@ def _fsdp_stage_compiled(name, layers=2):
   return jax.jit(jax.value_and_grad(loss)).lower(w, xs, ts).compile().as_text()
 
 
+def _weight_gather(line, fsdp=2):
+  """Whether a scheduled instruction starts an FSDP weight gather: an
+  all-gather, or (jax < 0.12, row "tpu-plain-permute-gathers") a
+  collective-permute whose pairs stay inside a stage's FSDP group."""
+  if " all-gather-start(" in line:
+    return True
+  if "collective-permute-start(" not in line:
+    return False
+  pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
+  return all(int(a) // fsdp == int(b) // fsdp for a, b in pairs)
+
+
 def _entry_lines(text):
   lines = text.splitlines()
   start = next(k for k, line in enumerate(lines) if line.startswith("ENTRY"))
@@ -208,21 +228,60 @@ def _entry_lines(text):
   return lines[start:end]
 
 
+@pytest.mark.newest_jax(older_jax=[
+    "test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu"])
+@pytest.mark.parametrize("name,recomputes", [("tpu_v5e", True),
+                                              ("gpu_h100", False)])
+def test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu(name,
+                                                                  recomputes):
+  """pipeline_loss's recompute=None follows the platform of the mesh the
+  program is for: on the v5e the residuals' HBM traffic costs more than
+  the recompute (the bench's 1F1B 51.1 against 25.8 ms modelled), on the
+  H100 keeping them is faster. Counted in the lowered module: the stage's
+  tanh runs once more a backward action where it recomputes."""
+  tanhs = lambda r: _lowered(name, "1f1b", recompute=r).as_text().count(
+      "stablehlo.tanh")
+  default, kept, again = tanhs(None), tanhs(False), tanhs(True)
+  print(f"{name}: tanh ops, default {default}, kept {kept}, recomputed {again}")
+  assert again > kept
+  assert default == (again if recomputes else kept)
+
+
 @pytest.mark.slow
-def test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most():
+@pytest.mark.newest_jax(older_jax=[   # the row's tested range: each libtpu
+    "test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most(
+    gated, monkeypatch):
   """In lockstep each tick's FSDP weight gathers need nothing but the
   parameters; the executor ties the parameters a tick reads to the loss
-  the tick before starts from, so the v5e compiler cannot start every
-  tick's gathers at the program's start (it did: the bench's 1F1B held 34
-  to 63 gathered layers at its peak, temp 461 -> 3,609 MiB). At width 256:
-  21 of 21 gathers started before the first stage send without the
-  barrier, 5 with it (a tick or two ahead)."""
+  the tick before starts from (quirks row "tpu-pipeline-tick-gate",
+  xla/tick_gate.py), so the v5e compiler cannot start every tick's gathers
+  at the program's start (it did: the bench's 1F1B held 34 to 63 gathered
+  layers at its peak, temp 461 -> 3,609 MiB). Ungated (the row off), the
+  installed libtpu still starts most of them there: when it no longer
+  does, the row's tested range ends. Before jax 0.12 the gathers are
+  plain-future permutes (row "tpu-plain-permute-gathers") that stay in
+  their tick by themselves, and the row is not asked. At width 256, 1F1B
+  with the default recompute (True on TPU): jax 0.12 / libtpu 0.0.52, 6 of
+  32 gathers started before the first stage send with the gate, 32 of 32
+  without; jax 0.10.2 / 0.0.42.1 and 0.11.0 / 0.0.44.1, 1 of 33 without
+  (2 of 42 with a barrier)."""
+  if not gated:
+    applies = quirks.applies
+    monkeypatch.setattr(quirks, "applies", lambda name, *a: (
+        name != tick_gate.QUIRK and applies(name, *a)))
   entry = _entry_lines(_fsdp_stage_compiled("tpu_v5e"))
-  gathers = [k for k, line in enumerate(entry) if " all-gather-start(" in line]
+  gathers = [k for k, line in enumerate(entry) if _weight_gather(line)]
   first_send = next(k for k, line in enumerate(entry)
-                    if "collective-permute-start(" in line
-                    or "collective-permute-done(" in line)
+                    if ("collective-permute-start(" in line
+                        or "collective-permute-done(" in line)
+                    and not _weight_gather(line))
   early = sum(k < first_send for k in gathers)
-  print(f"tpu_v5e lockstep fsdp stage: {early} of {len(gathers)} weight gathers "
-        "start before the first stage send")
-  assert gathers and early <= len(gathers) // 3
+  print(f"tpu_v5e lockstep fsdp stage, gated={gated}: {early} of {len(gathers)} "
+        "weight gathers start before the first stage send")
+  assert gathers
+  if gated or not _compat.ASYNC_CUSTOM_CALLS:   # older jax: never gated
+    assert early <= len(gathers) // 3
+  else:
+    assert early > 2 * len(gathers) // 3

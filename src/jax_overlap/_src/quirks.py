@@ -127,6 +127,18 @@ TABLE = (
           "keeps the all-reduce and reduce-scatter synchronous",
           "tests/aot/real_compilers_test.py::"
           "test_future_is_an_async_pair_around_the_matmul"),
+    Quirk("tpu-pipeline-tick-gate", "tpu", None, "libtpu",
+          ("0.0.52", "0.0.52"),
+          "on jax >= 0.12 pipeline_loss's lockstep ticks read their "
+          "parameters through an optimization barrier with the loss the "
+          "tick before starts from (xla/tick_gate.py): without it XLA:TPU "
+          "starts every tick's FSDP weight gathers, which need only the "
+          "parameters, near the program's start (v5e 1F1B bench temp 3,112 "
+          "-> 2,051 MiB with it); on older jax (libtpu 0.0.42.1, 0.0.44.1) "
+          "the gathers are plain-future permutes that stayed in their tick "
+          "without it, and the row is not asked",
+          "tests/aot/pipeline_compiled_test.py::"
+          "test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most"),
     Quirk("gpu-flat-permute", "gpu", None, "cuda", ("0.12.0.1", "0.12.0.1"),
           "ppermute_start of a rank >= 2 operand sends it as one flat "
           "row-major buffer, reshaped after the done: where layout "

@@ -1,5 +1,6 @@
 """pipeline_loss(recompute=...): the stage's residuals kept from its forward
-action to its backward ones (the default), recomputed (True) or kept as a
+action to its backward ones (False; the default off TPU), recomputed (True;
+the default on TPU, tests/aot/pipeline_compiled_test.py) or kept as a
 jax.checkpoint policy says; the same values and gradients each way."""
 
 import jax
@@ -70,6 +71,13 @@ def test_the_default_runs_each_stage_forward_once(schedule):
   assert runs == actions, (runs, actions)
 
 
+def test_the_default_keeps_the_residuals_off_tpu():
+  # None: decided from the platform the program is for (CPU here): kept.
+  assert jax.default_backend() != "tpu"
+  runs, actions = _count_stage_runs(None)
+  assert runs == actions, (runs, actions)
+
+
 def test_recompute_runs_each_stage_forward_again_in_its_backward():
   runs, actions = _count_stage_runs(True)
   assert runs == 2 * actions, (runs, actions)
@@ -119,8 +127,9 @@ def test_a_collective_inside_the_stage_in_lockstep():
     _same(kept, _value_and_grad(piped(schedule, True), w, xs, ts))
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
+@pytest.mark.parametrize("bad", ["yes", 1, 0.5])
 def test_a_bad_recompute_is_refused(bad):
   params, xs, ts = model(2, 4)
-  with pytest.raises(TypeError, match=r"pipeline_loss\(recompute="):
+  with pytest.raises(TypeError, match=r"pipeline_loss\(recompute=.*expected "
+                     r"None \(the default: True when the program is for TPU"):
     jax.jit(pipelined_loss(2, recompute=bad))(params, xs, ts)

@@ -177,7 +177,9 @@ def _platforms(ctx) -> tuple[str, ...]:
   return tuple(ctx.module_context.platforms or ())
 
 
-def _device_kind(ctx) -> str | None:
+def device_kind_of(ctx) -> str | None:
+  """The device kind of the mesh lowering `ctx` is for; None where the
+  mesh is abstract."""
   mesh = getattr(ctx.module_context.axis_context, "mesh", None)
   try:
     return mesh.devices.flat[0].device_kind
@@ -285,7 +287,7 @@ def _sync_on_this_platform(ctx, op) -> bool:
     why = ("an async all-to-all of this buffer crashes the TPU compiler "
            "(SIGSEGV, or 'dimension is tiled')")
   elif name == "all-gather" and \
-      quirks.applies("tpu-sync-all-gather", "tpu", _device_kind(ctx)):
+      quirks.applies("tpu-sync-all-gather", "tpu", device_kind_of(ctx)):
     why = ("the TPU v5p compiler makes every all-gather synchronous; "
            "there its async form is N-1 collective-permutes "
            "(permute_forms.py), and before that an all-to-all")

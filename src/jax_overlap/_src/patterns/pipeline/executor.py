@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap._src.collectives.api import ppermute_start
-from jax_overlap._src.ordering import barrier_op
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
@@ -41,6 +40,7 @@ from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
 from jax_overlap._src.patterns.pipeline.tick_names import label, sum_label
 from jax_overlap._src.patterns.pipeline.work import (Model, Work, float_leaves,
                                                     is_float)
+from jax_overlap._src.xla.tick_gate import tick_gate
 
 DISPATCHES = ("switch", "lockstep")
 
@@ -149,16 +149,14 @@ def _gate(params, state):
   two early. Without it the lockstep ticks' gathers, which need nothing but
   the parameters, were started near the program's start (XLA:TPU held 63
   gathered layers at its peak: the v5e bench's 1F1B temp 3,609 MiB;
-  docs/pipeline.md). The tie is lowered for TPU only (`platform_dependent`,
-  resolved at lowering, as xla/gpu_ties.py's for GPU): on the H100 it made
-  the step 5% longer and the temp bytes 8% larger. Pinned by
-  tests/aot/pipeline_compiled_test.py
+  docs/pipeline.md). The tie is a TPU compiler workaround, quirks row
+  "tpu-pipeline-tick-gate" (xla/tick_gate.py: a barrier where the row
+  applies, nothing elsewhere): on the H100 it made the step 5% longer and
+  the temp bytes 8% larger. Pinned by tests/aot/pipeline_compiled_test.py
   (`test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most`)."""
   leaves, tree = jax.tree.flatten(params)
   at = [k for k, a in enumerate(leaves) if is_float(a)]
-  tied = [leaves[k] for k in at] + [state["loss"]]
-  out = jax.lax.platform_dependent(tied, tpu=barrier_op.barrier,
-                                   default=lambda values: list(values))
+  out = tick_gate([leaves[k] for k in at] + [state["loss"]])
   for k, a in zip(at, out):
     leaves[k] = a
   return jax.tree.unflatten(tree, leaves)

@@ -24,7 +24,7 @@ from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
                                                          reduce_like)
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline.pieces import model_of
-from jax_overlap._src.patterns.pipeline.residuals import check_recompute
+from jax_overlap._src.patterns.pipeline.residuals import choose_recompute
 from jax_overlap._src.patterns.pipeline.tick_names import sum_label
 from jax_overlap._src.patterns.pipeline.work import (float0_like, is_float,
                                                     with_floats)
@@ -34,7 +34,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                   xs, targets, *, axis, schedule: str = "1f1b",
                   virtual_stages: int = 1, send_ticks: int | None = None,
                   before: Callable | None = None, has_aux: bool = False,
-                  dispatch: str | None = None, recompute=False):
+                  dispatch: str | None = None, recompute=None):
   """The mean over m microbatches of `loss_fn(stages(before(x)), target)`,
   the stages pipelined over the devices of `axis`; call inside
   `jax.shard_map`.
@@ -82,18 +82,24 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       collective another does not); None (default): "lockstep" where
       `stage_fn`, `loss_fn` or `before` holds a collective, else "switch".
     recompute: what a stage's backward action does for the stage's
-      forward, as `jax.checkpoint` would choose. False (default): the
-      forward action keeps the residuals `jax.vjp` of the stage needs (one
-      set a microbatch in flight, in the rows the kept stage inputs use, so
-      the memory stays flat in m) and the backward applies them: the
-      stage's forward runs once a microbatch. True: keep only the stage's
-      input and run its forward again in the backward (zero bubble's input
-      and weight halves each run it): less memory a microbatch in flight,
-      about a third more compute. A `jax.checkpoint` policy (e.g.
+      forward, as `jax.checkpoint` would choose. False: the forward action
+      keeps the residuals `jax.vjp` of the stage needs (one set a
+      microbatch in flight, in the rows the kept stage inputs use, so the
+      memory stays flat in m) and the backward applies them: the stage's
+      forward runs once a microbatch. True: keep only the stage's input and
+      run its forward again in the backward (zero bubble's input and weight
+      halves each run it): less memory a microbatch in flight, about a third
+      more compute. A `jax.checkpoint` policy (e.g.
       `jax.checkpoint_policies.dots_saveable`): keep what the policy saves,
-      recompute the rest. docs/pipeline.md, "Memory", has what each costs
-      on the H100 compiler; tests/patterns/pipeline/pipeline_residuals_test.py
-      pins the values and the forward count.
+      recompute the rest. None (default): True when the program is for TPU
+      (the platform of the shard_map's mesh devices, else
+      `jax.default_backend()`), False elsewhere: on the v5e compiler the
+      residuals' HBM traffic costs more than the recompute (the bench's 1F1B
+      modelled 51.1 ms kept against 25.8 ms recomputed), on the H100 keeping
+      them is faster (0.89x). docs/pipeline.md, "Memory", has what each
+      costs; tests/patterns/pipeline/pipeline_residuals_test.py pins the
+      values and the forward count, tests/aot/pipeline_compiled_test.py the
+      default on each compiler.
 
   Returns:
     The mean loss, the same on every device of `axis`. It is typed as
@@ -120,7 +126,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     >>> loss(w, xs, ys)
     Array(36., dtype=float32)
   """
-  check_recompute(recompute)
+  recompute = choose_recompute(recompute)
   p = _checks.axis_size(axis)
   m = _checks.check_shapes(stage_params, xs, targets, virtual_stages, axis)
   if dispatch is not None and dispatch not in DISPATCHES:

@@ -1,7 +1,7 @@
 """A stage's residuals, kept from its forward action to its backward ones.
 
-By default (`recompute=False`) the forward action takes `jax.vjp` of the
-stage and keeps the residuals the backward needs; the backward actions
+With `recompute=False` (the default off TPU: `choose_recompute`) the
+forward action takes `jax.vjp` of the stage and keeps the residuals the backward needs; the backward actions
 (B, or zero bubble's I and W) apply that vjp without running the stage's
 forward again. The function `jax.vjp` returns is a pytree whose leaves are
 the residual arrays: its structure is found once by tracing the stage on
@@ -35,14 +35,32 @@ AGAIN = "again"
 
 
 def check_recompute(recompute) -> None:
-  """A clear error for a `recompute` that is neither a bool nor a policy."""
-  if isinstance(recompute, bool) or callable(recompute):
+  """A clear error for a `recompute` that is neither None, a bool nor a
+  policy."""
+  if recompute is None or isinstance(recompute, bool) or callable(recompute):
     return
   raise TypeError(
-      f"pipeline_loss(recompute={recompute!r}): expected False (keep the "
-      "stage's residuals, the default), True (recompute the stage's forward "
-      "in its backward) or a jax.checkpoint policy such as "
+      f"pipeline_loss(recompute={recompute!r}): expected None (the default: "
+      "True when the program is for TPU, False elsewhere), False (keep the "
+      "stage's residuals), True (recompute the stage's forward in its "
+      "backward) or a jax.checkpoint policy such as "
       "jax.checkpoint_policies.dots_saveable.")
+
+
+def choose_recompute(recompute):
+  """`recompute` as given; for None, True where the program is for TPU (the
+  platform of the mesh being traced over, where jax says; else
+  `jax.default_backend()`), False elsewhere. Why: on the v5e compiler
+  writing and reading a stage's residuals costs more HBM time than running
+  its forward again (1F1B bench 51.1 against 25.8 ms modelled), on GPUs
+  keeping them is faster (H100 0.89x). docs/pipeline.md, "Memory"; pinned by
+  pipeline_residuals_test.py (CPU) and tests/aot/pipeline_compiled_test.py
+  (`test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu`)."""
+  check_recompute(recompute)
+  if recompute is not None:
+    return recompute
+  platform, _ = _compat.trace_device()
+  return (platform or jax.default_backend()) == "tpu"
 
 
 def stage_vjp(fn: Callable, recompute, chunk, consts, x):
