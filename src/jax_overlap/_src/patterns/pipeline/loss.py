@@ -95,7 +95,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       (the platform of the shard_map's mesh devices, else
       `jax.default_backend()`), False elsewhere: on the v5e compiler the
       residuals' HBM traffic costs more than the recompute (the bench's 1F1B
-      modelled 51.1 ms kept against 25.8 ms recomputed), on the H100 keeping
+      modelled 51.1 ms kept against 33.2 ms recomputed), on the H100 keeping
       them is faster (0.89x). docs/pipeline.md, "Memory", has what each
       costs; tests/patterns/pipeline/pipeline_residuals_test.py pins the
       values and the forward count, tests/aot/pipeline_compiled_test.py the

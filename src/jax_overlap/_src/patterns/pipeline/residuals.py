@@ -52,7 +52,7 @@ def choose_recompute(recompute):
   platform of the mesh being traced over, where jax says; else
   `jax.default_backend()`), False elsewhere. Why: on the v5e compiler
   writing and reading a stage's residuals costs more HBM time than running
-  its forward again (1F1B bench 51.1 against 25.8 ms modelled), on GPUs
+  its forward again (1F1B bench 51.1 against 33.2 ms modelled), on GPUs
   keeping them is faster (H100 0.89x). docs/pipeline.md, "Memory"; pinned by
   pipeline_residuals_test.py (CPU) and tests/aot/pipeline_compiled_test.py
   (`test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu`)."""
