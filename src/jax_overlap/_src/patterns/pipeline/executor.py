@@ -17,9 +17,10 @@ tick, which XLA does not define (on CPU its rendezvous waits forever), so a
 model whose stage, loss or embedding holds a collective runs in `lockstep`:
 at each tick every device runs the same program, one slot for each kind of
 action the tick holds, each device's flags masking what it keeps
-(work.py). A tick reads the parameters through a barrier on the loss the
-tick before starts from (`_gate`), so its weight gathers start a tick or
-two early at most. Values and gradients equal the plain model's:
+(work.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
+reads the parameters through a barrier on the loss the tick before starts
+from (`_gate`), so its weight gathers start a tick or two early at most.
+Values and gradients equal the plain model's:
 tests/patterns/pipeline/pipeline_loss_test.py, pipeline_compose_test.py.
 """
 
