@@ -251,8 +251,9 @@ def test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu(name,
 @pytest.mark.newest_jax(older_jax=[   # the row's tested range: each libtpu
     "test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
 def test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most(
-    gated, monkeypatch):
+    name, gated, monkeypatch):
   """In lockstep each tick's FSDP weight gathers need nothing but the
   parameters; the executor ties the parameters a tick reads to the loss
   the tick before starts from (quirks row "tpu-pipeline-tick-gate",
@@ -265,23 +266,24 @@ def test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most(
   their tick by themselves, and the row is not asked. At width 256, 1F1B
   with the default recompute (True on TPU): jax 0.12 / libtpu 0.0.52, 6 of
   32 gathers started before the first stage send with the gate, 32 of 32
-  without; jax 0.10.2 / 0.0.42.1 and 0.11.0 / 0.0.44.1, 1 of 33 without
-  (2 of 42 with a barrier)."""
+  without (v5p, whose gathers are permutes: 11 of 76 with, 54 of 76
+  without); jax 0.10.2 / 0.0.42.1 and 0.11.0 / 0.0.44.1, v5e, 1 of 33
+  without (2 of 42 with a barrier)."""
   if not gated:
     applies = quirks.applies
     monkeypatch.setattr(quirks, "applies", lambda name, *a: (
         name != tick_gate.QUIRK and applies(name, *a)))
-  entry = _entry_lines(_fsdp_stage_compiled("tpu_v5e"))
+  entry = _entry_lines(_fsdp_stage_compiled(name))
   gathers = [k for k, line in enumerate(entry) if _weight_gather(line)]
   first_send = next(k for k, line in enumerate(entry)
                     if ("collective-permute-start(" in line
                         or "collective-permute-done(" in line)
                     and not _weight_gather(line))
   early = sum(k < first_send for k in gathers)
-  print(f"tpu_v5e lockstep fsdp stage, gated={gated}: {early} of {len(gathers)} "
+  print(f"{name} lockstep fsdp stage, gated={gated}: {early} of {len(gathers)} "
         "weight gathers start before the first stage send")
   assert gathers
   if gated or not _compat.ASYNC_CUSTOM_CALLS:   # older jax: never gated
     assert early <= len(gathers) // 3
   else:
-    assert early > 2 * len(gathers) // 3
+    assert early > len(gathers) // 2
