@@ -25,8 +25,10 @@ of 2 sequences (one a device), f32, the training loss's `value_and_grad`:
 
 Each is compiled ahead of time (.venv-aot); the scheduled module is read by
 `jax_overlap.OverlapReport.from_hlo` on the h100 / tpu-v5e profile:
-modelled step, compute, communication and exposed communication, and the
-compiled temp bytes (`memory_analysis()`). The bubble is the schedule's
+modelled step, compute, communication and exposed communication, the bytes
+the collectives move (each one's `bytes` times its modelled `runs`), and the
+compiled temp bytes (`memory_analysis()`). pipeline_loss runs its defaults
+(`recompute=None`: True on the v5e, False on the H100). The bubble is the schedule's
 under unit costs (`pipeline_schedule(...).simulate()`; the shift loop's
 is GPipe's, (p-1)/(m+p-1), with its idle iterations computing on zeros).
 Every time is modelled, not measured. Writes
