@@ -21,7 +21,12 @@ loop body's windows counted once per iteration. What each axis carries:
   "tpu-collective-forms") and the sums autodiff makes of the gradients of
   leaves replicated over 'tp' (the norm scales);
 - CP rotations: collective-permutes over 'cp' (ring_attention);
-- EP exchanges: all-to-alls over 'ep' (expert_parallel).
+- EP exchanges: all-to-alls over 'ep' (expert_parallel);
+- DP gradient sums: all-reduces over 'dp' alone, the sum autodiff makes of
+  the gradients of the blocks' weights (replicated over 'dp'), after the
+  pipeline's last backward (the embedding's and head's gradients are summed
+  over every axis at once, and the loss's pmean is over 'dp' and 'tp': those
+  are in no column).
 
 `python tests/aot/llama_4d_compiled_test.py` (in .venv-aot) prints the table
 of docs/pipeline.md's "Composing the axes" (async pairs / with compute in
@@ -70,6 +75,7 @@ CATEGORIES = [
     ("TP all-reduces", ("all-reduce", "all-to-all", "all-gather"), {"tp"}),
     ("CP rotations", ("collective-permute",), {"cp"}),
     ("EP exchanges", ("all-to-all",), {"ep"}),
+    ("DP gradient sums", ("all-reduce",), {"dp"}),
 ]
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                 "collective-permute")
@@ -167,6 +173,33 @@ def without_compute(column: str, c: Count) -> int:
           "FSDP reduce-scatters": 2, "TP all-reduces": c.pairs // 2}.get(column, 0)
 
 
+#: (plan, target) -> column -> (async pairs, of them with compute in flight),
+#: as compiled on 2026-12-06 (jax 0.12.0.1, libtpu 0.0.52, jax-cuda12-plugin
+#: 0.12.0.1; docs/pipeline.md's table): a column may not have fewer pairs
+#: with compute, nor more without. A change that moves them (the model, the
+#: library, the compilers) updates this and the table together.
+MEASURED = {
+    ("pp_fsdp_tp", "gpu_h100"): {"stage sends": (4, 3), "FSDP gathers": (18, 18),
+                                 "FSDP reduce-scatters": (4, 4), "TP ring permutes": (60, 60),
+                                 "TP all-reduces": (1, 1)},
+    ("pp_fsdp_tp", "tpu_v5e"): {"stage sends": (4, 4), "FSDP gathers": (18, 18),
+                                "FSDP reduce-scatters": (6, 6), "TP ring permutes": (60, 60)},
+    ("pp_fsdp_cp", "gpu_h100"): {"stage sends": (4, 4), "FSDP gathers": (18, 18),
+                                 "FSDP reduce-scatters": (6, 6), "CP rotations": (18, 18)},
+    ("pp_fsdp_cp", "tpu_v5e"): {"stage sends": (4, 4), "FSDP gathers": (18, 18),
+                                "FSDP reduce-scatters": (6, 6), "CP rotations": (18, 18)},
+    ("pp_dp_tp", "gpu_h100"): {"stage sends": (4, 4), "TP all-reduces": (48, 30),
+                               "DP gradient sums": (1, 1)},
+    ("pp_dp_tp", "tpu_v5e"): {"stage sends": (4, 4), "TP all-reduces": (48, 36)},
+    ("pp_fsdp_ep", "gpu_h100"): {"stage sends": (4, 3), "FSDP gathers": (18, 18),
+                                 "FSDP reduce-scatters": (9, 9), "EP exchanges": (48, 34)},
+    ("pp_fsdp_ep", "tpu_v5e"): {"stage sends": (4, 4), "FSDP gathers": (18, 18),
+                                "FSDP reduce-scatters": (9, 8), "EP exchanges": (36, 26)},
+}
+#: The psum plan's TP sums with a matmul in flight, as measured (with MEASURED).
+TP_SUMS_WITH_A_MATMUL = {("pp_dp_tp", "gpu_h100"): 24, ("pp_dp_tp", "tpu_v5e"): 30}
+
+
 #: Which (target, plan) the compiler refuses, and how (xfail, strict): none
 #: now. Before 1c5d4d3's pipeline (its stage a Python loop over its layers)
 #: the H100 compiler refused pp_dp_tp ("Asynchronous computation
@@ -192,6 +225,7 @@ def test_every_axis_is_in_flight_over_compute(name, plan_name):
   plan = _plan_on(name, plan_name)
   found = counts(name, plan_name)
   print(name, plan_name, found)
+  print(row(name, plan_name))      # pytest -s: the docs table's row
   for column in expected(plan):
     c = found.get(column, Count())
     if column == "TP all-reduces" and plan.tensor != "psum":
@@ -207,6 +241,38 @@ def test_every_axis_is_in_flight_over_compute(name, plan_name):
     assert c.pairs, f"{column}: no async pair ({found})"
     assert c.computing >= c.pairs - without_compute(column, c), \
         f"{column}: windows without compute ({found})"
+  if "dp" in plan.axes:
+    # autodiff's sum of the blocks' gradients over 'dp' (after the pipeline;
+    # docs/pipeline.md says why it is not in flight): counted, async or not
+    c = found.get("DP gradient sums", Count())
+    assert c.pairs + c.sync, f"DP gradient sums: none ({found})"
+  for column, (pairs, computing) in MEASURED[plan_name, name].items():
+    c = found.get(column, Count())
+    assert c.computing >= computing and c.pairs - c.computing <= pairs - computing, (
+        f"{column}: {c.pairs} async pairs, {c.computing} with compute in flight; "
+        f"measured {pairs} / {computing} (MEASURED): fewer in flight ({found})")
+  want = TP_SUMS_WITH_A_MATMUL.get((plan_name, name))
+  if want is not None:
+    c = found["TP all-reduces"]
+    assert c.matmul >= want, f"TP all-reduces: {c.matmul} with a matmul, measured {want}"
+
+
+def row(name: str, plan_name: str) -> str:
+  """The table's row of `plan_name` compiled for target `name`."""
+  columns = [c for c, _, _ in CATEGORIES]
+  label = {"gpu_h100": "H100 x8", "tpu_v5e": "TPU v5e 2x4"}[name]
+  try:
+    found = counts(name, plan_name)
+  except Exception as e:  # noqa: BLE001 - a refused compile is a row too
+    return (f"| `{plan_name}` | {label} | does not compile: "
+            f"{str(e).splitlines()[0][:90]} |" + " |" * (len(columns) - 1))
+
+  def cell(column):
+    c = found.get(column)
+    if c is None:
+      return ""
+    return f"{c.pairs} / {c.computing}" + (f" ({c.sync} sync)" if c.sync else "")
+  return f"| `{plan_name}` | {label} | " + " | ".join(map(cell, columns)) + " |"
 
 
 def table() -> str:
@@ -214,22 +280,7 @@ def table() -> str:
   columns = [c for c, _, _ in CATEGORIES]
   rows = ["| plan | target | " + " | ".join(columns) + " |",
           "|---|---|" + "---|" * len(columns)]
-  for plan_name in llama_4d.PLANS:
-    for name in TARGETS:
-      label = {"gpu_h100": "H100 x8", "tpu_v5e": "TPU v5e 2x4"}[name]
-      try:
-        found = counts(name, plan_name)
-      except Exception as e:  # noqa: BLE001 - a refused compile is a row too
-        rows.append(f"| `{plan_name}` | {label} | does not compile: "
-                    f"{str(e).splitlines()[0][:90]} |" + " |" * (len(columns) - 1))
-        continue
-
-      def cell(column):
-        c = found.get(column)
-        if c is None:
-          return ""
-        return f"{c.pairs} / {c.computing}" + (f" ({c.sync} sync)" if c.sync else "")
-      rows.append(f"| `{plan_name}` | {label} | " + " | ".join(map(cell, columns)) + " |")
+  rows += [row(name, plan_name) for plan_name in llama_4d.PLANS for name in TARGETS]
   return "\n".join(rows)
 
 
