@@ -40,17 +40,12 @@ def _reference(ws, xs, ts):
   return jnp.mean(jax.vmap(one)(xs, ts))
 
 
-def _pipelined(p, fsdp, schedule):
+def _on_mesh(body, p, fsdp):
+  """`body(stage shards, xs, ts)` in shard_map over a (pp, fsdp) mesh, on
+  the stacked weights [stages, LAYERS, D, D]."""
   mesh = jax.make_mesh((p, fsdp), ("pp", "fsdp"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2,
                        devices=jax.devices()[:p * fsdp])
-
-  def stage(w, x):   # w: [LAYERS, D/fsdp, D], this device's shard
-    return fsdp_scan(layer, x, w, axis="fsdp", shard_dims=1)
-
-  def body(w, xs, ts):
-    loss = pipeline_loss(stage, mse, w, xs, ts, axis="pp", schedule=schedule)
-    return jax.lax.pmean(loss, "fsdp")
 
   def loss(ws, xs, ts):
     return jax.shard_map(
@@ -58,6 +53,16 @@ def _pipelined(p, fsdp, schedule):
         in_specs=(P("pp", None, "fsdp", None), P(None, "fsdp"), P(None, "fsdp")),
         out_specs=P())(pipeline_stage_layout(ws, p), xs, ts)
   return loss
+
+
+def _pipelined(p, fsdp, schedule):
+  def stage(w, x):   # w: [LAYERS, D/fsdp, D], this device's shard
+    return fsdp_scan(layer, x, w, axis="fsdp", shard_dims=1)
+
+  def body(w, xs, ts):
+    loss = pipeline_loss(stage, mse, w, xs, ts, axis="pp", schedule=schedule)
+    return jax.lax.pmean(loss, "fsdp")
+  return _on_mesh(body, p, fsdp)
 
 
 @pytest.mark.parametrize("p,fsdp,m,schedule", [(2, 2, 4, "1f1b"), (2, 2, 4, "zb-h1"),
@@ -71,13 +76,9 @@ def test_pp_by_fsdp(p, fsdp, m, schedule):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _gathered_once(p, fsdp, m):
+def _gathered_once(p, fsdp):
   """docs/pipeline.md "Gathering a stage's weights once a step": the stage's
   FSDP shards gathered before `pipeline_loss`, a plain scan in the stage."""
-  mesh = jax.make_mesh((p, fsdp), ("pp", "fsdp"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                       devices=jax.devices()[:p * fsdp])
-
   def stage(w, x):   # w: [LAYERS, D, D], this stage's layers, whole
     return jax.lax.scan(lambda x, w: (layer(x, w), None), x, w)[0]
 
@@ -85,13 +86,7 @@ def _gathered_once(p, fsdp, m):
     whole = jax.lax.all_gather(w, "fsdp", axis=2, tiled=True)   # once a step
     loss = pipeline_loss(stage, mse, whole, xs, ts, axis="pp")
     return jax.lax.pmean(loss, "fsdp")
-
-  def loss(ws, xs, ts):
-    return jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(P("pp", None, "fsdp", None), P(None, "fsdp"), P(None, "fsdp")),
-        out_specs=P())(pipeline_stage_layout(ws, p), xs, ts)
-  return loss
+  return _on_mesh(body, p, fsdp)
 
 
 def test_weights_gathered_once_a_step():
@@ -100,7 +95,7 @@ def test_weights_gathered_once_a_step():
   stage gathers its layers in every forward and backward."""
   p, fsdp, m = 2, 2, 4
   ws, xs, ts = _model(p, m)
-  step = jax.jit(jax.value_and_grad(_gathered_once(p, fsdp, m), argnums=(0, 1)))
+  step = jax.jit(jax.value_and_grad(_gathered_once(p, fsdp), argnums=(0, 1)))
   got = step(ws, xs, ts)
   want = jax.jit(jax.value_and_grad(_reference, argnums=(0, 1)))(ws, xs, ts)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
