@@ -1,7 +1,8 @@
 """A stage's residuals, kept from its forward action to its backward ones.
 
 With `recompute=False` (the default off TPU: `choose_recompute`) the
-forward action takes `jax.vjp` of the stage and keeps the residuals the backward needs; the backward actions
+forward action takes `jax.vjp` of the stage and keeps the residuals the
+backward needs; the backward actions
 (B, or zero bubble's I and W) apply that vjp without running the stage's
 forward again. The function `jax.vjp` returns is a pytree whose leaves are
 the residual arrays: its structure is found once by tracing the stage on
