@@ -140,10 +140,12 @@ def _tick():
   return cp.pipeline_stage_tick()
 
 
-def _stage_microbatches(recompute: bool):
+def _stage_microbatches(recompute: bool, seq: int | None = None,
+                        batch: int | None = None):
   def build():
     import chip_programs as cp  # noqa: PLC0415
-    return cp.pipeline_stage_microbatches(recompute)
+    seq_ = seq // 8 if seq and cp.SMALL else seq
+    return cp.pipeline_stage_microbatches(recompute, seq=seq_, batch=batch)
   return build
 
 
@@ -210,6 +212,11 @@ PROGRAMS = {
     "pipeline_stage_4_microbatches_recomputed_f32": (
         "the same, each backward recomputing its forward (recompute=True)",
         _stage_microbatches(True)),
+    "pipeline_stage_4_microbatches_kept_seq512_f32": (
+        "the kept-residuals program at bench_pipeline's microbatch (one "
+        "sequence of 512 a device)", _stage_microbatches(False, 512, 1)),
+    "pipeline_stage_4_microbatches_recomputed_seq512_f32": (
+        "the same, recomputing", _stage_microbatches(True, 512, 1)),
 }
 
 

@@ -263,9 +263,12 @@ if SMALL:
   PIPELINE = dict(layers_a_stage=2, microbatch=2)
 
 
-def _pipeline_setup(stages: int):
+def _pipeline_setup(stages: int, seq: int | None = None):
+  import dataclasses  # noqa: PLC0415
   from jax_overlap._src.demo import pipeline  # noqa: PLC0415
   cfg = train_config(layers=stages * PIPELINE["layers_a_stage"])
+  if seq is not None:
+    cfg = dataclasses.replace(cfg, seq=seq)
   mesh = jax.make_mesh((1, 1), (pipeline.PP, pipeline.FSDP),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2,
                        devices=jax.devices()[:1])
@@ -310,7 +313,8 @@ def pipeline_stage_tick():
 
 
 
-def pipeline_stage_microbatches(recompute: bool, microbatches: int = 4):
+def pipeline_stage_microbatches(recompute: bool, microbatches: int = 4,
+                                seq: int | None = None, batch: int | None = None):
   """(jitted, args): the gradient of one stage of the demo's pipeline over
   `microbatches` microbatches (as `pipeline_stage_tick`'s), all forwards
   first, each keeping its residuals in HBM (`recompute=False`: what
@@ -319,12 +323,13 @@ def pipeline_stage_microbatches(recompute: bool, microbatches: int = 4):
   (`recompute=True`: `jax.checkpoint` of the stage, as
   `pipeline_loss(recompute=True)`). Its two timings say what keeping
   residuals costs against recomputing on the chip, for the model to be
-  checked against."""
+  checked against. `seq`, `batch`: a microbatch's sequence length and
+  sequences (the tick's by default; bench_pipeline's is 512 and 1)."""
   from jax_overlap._src.demo import model, pipeline  # noqa: PLC0415
   from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
-  cfg, mesh, params, specs = _pipeline_setup(1)
+  cfg, mesh, params, specs = _pipeline_setup(1, seq)
   blocks, block_specs = params["blocks"], specs["blocks"]
-  shape = (microbatches, PIPELINE["microbatch"], cfg.seq, cfg.d)
+  shape = (microbatches, batch or PIPELINE["microbatch"], cfg.seq, cfg.d)
   rows = P(None, (pipeline.PP, pipeline.FSDP))
   xs = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), shape),
                       NamedSharding(mesh, rows))

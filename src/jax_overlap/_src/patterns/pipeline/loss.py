@@ -94,9 +94,9 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       recompute the rest. None (default): True when the program is for TPU
       (the platform of the shard_map's mesh devices, else
       `jax.default_backend()`), False elsewhere: on the v5e compiler the
-      residuals' HBM traffic costs more than the recompute (the bench's 1F1B
-      modelled 51.1 ms kept against 33.2 ms recomputed), on the H100 keeping
-      them is faster (0.89x). docs/pipeline.md, "Memory", has what each
+      pipeline's residual buffers cost more than the recompute (the bench's
+      1F1B modelled 51.1 ms kept against 33.2 ms recomputed), on the H100
+      keeping them is faster (0.89x). docs/pipeline.md, "Memory", has what each
       costs; tests/patterns/pipeline/pipeline_residuals_test.py pins the
       values and the forward count, tests/aot/pipeline_compiled_test.py the
       default on each compiler.

@@ -51,10 +51,12 @@ def check_recompute(recompute) -> None:
 def choose_recompute(recompute):
   """`recompute` as given; for None, True where the program is for TPU (the
   platform of the mesh being traced over, where jax says; else
-  `jax.default_backend()`), False elsewhere. Why: on the v5e compiler
-  writing and reading a stage's residuals costs more HBM time than running
-  its forward again (1F1B bench 51.1 against 33.2 ms modelled), on GPUs
-  keeping them is faster (H100 0.89x). docs/pipeline.md, "Memory"; pinned by
+  `jax.default_backend()`), False elsewhere. Why: on the v5e compiler the
+  pipeline's residual buffers (zero fills, copies, row writes) cost more
+  than running the stage's forward again (1F1B bench 51.1 against 33.2 ms
+  modelled), though keeping a stage's residuals ran 0.78x recomputing on
+  the chip itself; on GPUs keeping them is faster (H100 0.89x).
+  docs/pipeline.md, "Memory"; pinned by
   pipeline_residuals_test.py (CPU) and tests/aot/pipeline_compiled_test.py
   (`test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu`)."""
   check_recompute(recompute)
