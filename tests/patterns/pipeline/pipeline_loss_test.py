@@ -152,17 +152,9 @@ def test_the_default_1f1b_alternates_and_hides_the_steady_states_sends():
 
 def _sends_in_flight(loss, n_sends, params, xs, ts) -> int:
   """How many of the traced program's sends have a cond or a matmul between
-  their start and done(). A cond that picks by platform
-  (`jax.lax.platform_dependent`: the executor's TPU-only parameter gate) is
-  no compute: its index comes from `platform_index`."""
+  their start and done()."""
   jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params, xs, ts)
   eqns = _flat_eqns(jaxpr.jaxpr)
-  by_platform = {id(e.outvars[0]) for e in eqns if e.primitive.name == "platform_index"}
-
-  def computes(e):
-    if e.primitive.name == "cond":
-      return id(e.invars[0]) not in by_platform
-    return e.primitive.name == "dot_general"
   starts = [i for i, e in enumerate(eqns) if e.primitive.name == "collective_start"]
   assert len(starts) == n_sends
   in_flight = 0
@@ -170,7 +162,7 @@ def _sends_in_flight(loss, n_sends, params, xs, ts) -> int:
     out = eqns[i].outvars[0]
     j = next(k for k, e in enumerate(eqns) if k > i and e.primitive.name
              == "collective_done" and any(v is out for v in e.invars))
-    if any(computes(e) for e in eqns[i + 1:j]):
+    if any(e.primitive.name in ("cond", "dot_general") for e in eqns[i + 1:j]):
       in_flight += 1
   return in_flight
 

@@ -32,14 +32,16 @@ _typed_barrier_p.multiple_results = True
 _typed_barrier_p.def_abstract_eval(_typed_barrier_abstract_eval)
 
 
-def _typed_barrier_lowering(ctx, *args):
+def lower_barrier(ctx, *args):
+  """The MLIR of one `stablehlo.optimization_barrier` over `args`, each
+  result typed as its input (also xla/tick_gate.py's TPU lowering)."""
   flat, _ = mlir.ir_tree_registry.flatten(args)
   op = hlo.OptimizationBarrierOp(flat)
   return [mlir.lower_with_sharding_in_types(ctx, r, aval)
           for r, aval in zip(op.results, ctx.avals_out)]
 
 
-mlir.register_lowering(_typed_barrier_p, _typed_barrier_lowering)
+mlir.register_lowering(_typed_barrier_p, lower_barrier)
 
 
 def barrier(values: Sequence[Any]) -> list[Any]:

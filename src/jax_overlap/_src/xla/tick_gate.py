@@ -28,9 +28,9 @@ from typing import Any, Sequence
 
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
-from jax._src.lib.mlir.dialects import hlo
 
 from jax_overlap._src import _compat, quirks
+from jax_overlap._src.ordering.barrier_op import lower_barrier
 from jax_overlap._src.xla.futures import device_kind_of
 
 #: The quirks row the TPU lowering asks.
@@ -72,10 +72,7 @@ def _tpu(ctx, *args):
   if not _compat.ASYNC_CUSTOM_CALLS or \
       not quirks.applies(QUIRK, "tpu", device_kind_of(ctx)):
     return list(args)
-  flat, _ = mlir.ir_tree_registry.flatten(args)
-  op = hlo.OptimizationBarrierOp(flat)
-  return [mlir.lower_with_sharding_in_types(ctx, r, aval)
-          for r, aval in zip(op.results, ctx.avals_out)]
+  return lower_barrier(ctx, *args)
 
 
 mlir.register_lowering(tick_gate_p, _identity, cacheable=False)
