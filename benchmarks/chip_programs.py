@@ -279,28 +279,34 @@ def _pipeline_setup(stages: int, seq: int | None = None):
   return cfg, mesh, params, specs
 
 
+def _stage_and_inputs(shape_of, rows, seq=None):
+  """(stage(w, x) as pipelined_loss's stage on stage 0's blocks, its blocks,
+  their specs, the mesh, x and a cotangent of shape `shape_of(cfg)` laid out
+  as `rows`)."""
+  from jax_overlap._src.demo import model, pipeline  # noqa: PLC0415
+  from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
+  cfg, mesh, params, specs = _pipeline_setup(1, seq)
+  x, ct = (jax.device_put(jax.random.normal(jax.random.PRNGKey(k), shape_of(cfg)),
+                          NamedSharding(mesh, rows)) for k in (2, 3))
+
+  def stage(w, x):
+    w = jax.tree.map(lambda a: a[0], w)
+    return fsdp_scan(model.block(cfg), x, w, axis=pipeline.FSDP, shard_dims=1,
+                     params_first=True)
+  return stage, params["blocks"], specs["blocks"], mesh, x, ct
+
+
 def pipeline_stage_tick():
   """(jitted, args): what one stage of the demo's pipeline computes in a
   forward and a backward tick, on one device: its `fsdp_scan` over
   `layers_a_stage` blocks (axis 'fsdp', shard_dims=1, as
   `demo.pipeline.pipelined_loss`'s stage), forward and the vjp of a
   cotangent, for one microbatch."""
-  from jax_overlap._src.demo import model, pipeline  # noqa: PLC0415
-  from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
-  cfg, mesh, params, specs = _pipeline_setup(1)
-  blocks, block_specs = params["blocks"], specs["blocks"]
-  shape = (PIPELINE["microbatch"], cfg.seq, cfg.d)
+  from jax_overlap._src.demo import pipeline  # noqa: PLC0415
   # Varying over both axes, as the stage's output is (its weights vary).
   rows = P((pipeline.PP, pipeline.FSDP))
-  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), shape),
-                     NamedSharding(mesh, rows))
-  ct = jax.device_put(jax.random.normal(jax.random.PRNGKey(3), shape),
-                      NamedSharding(mesh, rows))
-
-  def stage(w, x):            # as pipelined_loss's stage, on stage 0's blocks
-    w = jax.tree.map(lambda a: a[0], w)
-    return fsdp_scan(model.block(cfg), x, w, axis=pipeline.FSDP, shard_dims=1,
-                     params_first=True)
+  stage, blocks, block_specs, mesh, x, ct = _stage_and_inputs(
+      lambda cfg: (PIPELINE["microbatch"], cfg.seq, cfg.d), rows)
 
   @jax.jit
   @jax.shard_map(mesh=mesh, in_specs=(block_specs, rows, rows),
@@ -310,7 +316,6 @@ def pipeline_stage_tick():
     dw, dx = vjp(ct)
     return y, dw, dx
   return tick, (blocks, x, ct)
-
 
 
 def pipeline_stage_microbatches(recompute: bool, microbatches: int = 4,
@@ -325,21 +330,11 @@ def pipeline_stage_microbatches(recompute: bool, microbatches: int = 4,
   residuals costs against recomputing on the chip, for the model to be
   checked against. `seq`, `batch`: a microbatch's sequence length and
   sequences (the tick's by default; bench_pipeline's is 512 and 1)."""
-  from jax_overlap._src.demo import model, pipeline  # noqa: PLC0415
-  from jax_overlap._src.patterns.fsdp.scan import fsdp_scan  # noqa: PLC0415
-  cfg, mesh, params, specs = _pipeline_setup(1, seq)
-  blocks, block_specs = params["blocks"], specs["blocks"]
-  shape = (microbatches, batch or PIPELINE["microbatch"], cfg.seq, cfg.d)
+  from jax_overlap._src.demo import pipeline  # noqa: PLC0415
   rows = P(None, (pipeline.PP, pipeline.FSDP))
-  xs = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), shape),
-                      NamedSharding(mesh, rows))
-  cts = jax.device_put(jax.random.normal(jax.random.PRNGKey(3), shape),
-                       NamedSharding(mesh, rows))
-
-  def stage(w, x):
-    w = jax.tree.map(lambda a: a[0], w)
-    return fsdp_scan(model.block(cfg), x, w, axis=pipeline.FSDP, shard_dims=1,
-                     params_first=True)
+  stage, blocks, block_specs, mesh, xs, cts = _stage_and_inputs(
+      lambda cfg: (microbatches, batch or PIPELINE["microbatch"], cfg.seq, cfg.d),
+      rows, seq)
   if recompute:
     stage = jax.checkpoint(stage)
 
