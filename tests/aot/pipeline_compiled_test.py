@@ -235,7 +235,7 @@ def _entry_lines(text):
 def test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu(name,
                                                                   recomputes):
   """pipeline_loss's recompute=None follows the platform of the mesh the
-  program is for: on the v5e the residuals' HBM traffic costs more than
+  program is for: on the v5e the pipeline's residual buffers cost more than
   the recompute (the bench's 1F1B 51.1 against 33.2 ms modelled), on the
   H100 keeping them is faster. Counted in the lowered module: the stage's
   tanh runs once more a backward action where it recomputes."""
