@@ -134,8 +134,9 @@ TABLE = (
           "tick before starts from (xla/tick_gate.py): without it XLA:TPU "
           "starts every tick's FSDP weight gathers, which need only the "
           "parameters, near the program's start (v5e 1F1B bench temp 3,112 "
-          "-> 2,051 MiB with it; v5p's permute gathers likewise); on older jax (libtpu 0.0.42.1, 0.0.44.1) "
-          "the gathers are plain-future permutes that stayed in their tick "
+          "-> 2,051 MiB with it; v5p's permute gathers likewise); on older "
+          "jax (libtpu 0.0.42.1, 0.0.44.1) the gathers are plain-future "
+          "permutes that stayed in their tick "
           "without it, and the row is not asked",
           "tests/aot/pipeline_compiled_test.py::"
           "test_lockstep_ticks_gather_their_weights_one_tick_ahead_at_most"),
