@@ -173,14 +173,21 @@ def _lockstep_compiled(name, inner, m=M):
 def test_lockstep_stages_keep_their_sends_in_flight(name, inner):
   """A stage holding collectives over another axis runs in lockstep (no
   switch): it compiles, and the stage-to-stage sends (and, with a ring, its
-  rotations) are async pairs with compute between. The tp stage runs 4
-  microbatches (one a stage: 11 of 11 pairs with compute on the H100 in 37 s
-  of compile, where 8 took 123 s for 20 of 20)."""
-  text = _lockstep_compiled(name, inner, m=STAGES if inner == "tp" else M)
+  rotations) are async pairs with compute between, all but at most the
+  sends the plan itself waits for (the warm-up's and the drain's, whose
+  `done` the next tick needs: 6 of 1F1B's 12 at p=4, m=4; the jax 0.10.2
+  H100 compiler leaves 4 such sends bare). Both stages run 4
+  microbatches, one a stage (tp: 11 of 11 pairs with compute on the H100 in
+  37 s of compile, where 8 took 123 s for 20 of 20; cp: H100 30 of 33, v5e
+  40 of 40, 32 s and 29 s of compile, where 8 took 196 s and 131 s in CI)."""
+  text = _lockstep_compiled(name, inner, m=STAGES)
   pairs, computing = permute_windows(text)
   print(f"{name} lockstep {inner}: {len(pairs)} async permute pairs, "
         f"{len(computing)} with compute between")
-  assert pairs and len(computing) >= len(pairs) - 3
+  prog = buffers.program(jax_overlap.pipeline_schedule("1f1b", STAGES, STAGES))
+  waited = sum(not s.deferred for t in prog.ticks for s in (t.forward, t.backward)
+               if s)
+  assert pairs and len(pairs) - len(computing) <= waited
 
 
 def _fsdp_stage_compiled(name, layers=2):
