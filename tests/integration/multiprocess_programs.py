@@ -185,6 +185,26 @@ def run_llama_4d(plan_name: str = "pp_fsdp_tp") -> dict[str, np.ndarray]:
   return out
 
 
+def llama_4d_leaves(plan_name: str) -> int:
+  """How many parameter leaves plan `plan_name`'s model has (an MoE block
+  has a router and experts where a dense one has its MLP)."""
+  sys.path.insert(0, str(EXAMPLES))
+  import llama_4d  # noqa: PLC0415
+  cfg = llama_4d.config_for(llama_4d.PLANS[plan_name])
+  return len(jax.tree.leaves(jax.eval_shape(
+      lambda k: llama_4d.init(cfg, k), jax.random.key(0))))
+
+
 def run_llama_4d_psum() -> dict[str, np.ndarray]:
   """`run_llama_4d` of the pp x dp x tp plan (matmul_psum over 'tp')."""
   return run_llama_4d("pp_dp_tp")
+
+
+def run_llama_4d_ring() -> dict[str, np.ndarray]:
+  """`run_llama_4d` of the pp x fsdp x cp plan (ring attention over 'cp')."""
+  return run_llama_4d("pp_fsdp_cp")
+
+
+def run_llama_4d_experts() -> dict[str, np.ndarray]:
+  """`run_llama_4d` of the pp x fsdp x ep plan (expert_parallel over 'ep')."""
+  return run_llama_4d("pp_fsdp_ep")
