@@ -43,7 +43,7 @@ def mesh(p):
 def pipelined_loss(p, stage_fn=stage, **kw):
   """(params in stage order, xs, ts) -> the pipelined mean loss."""
   def loss(params, xs, ts):
-    laid = pipeline_stage_layout(params, p)
+    laid = pipeline_stage_layout(params, p, schedule=kw.get("schedule"))
     body = lambda q, x, t: pipeline_loss(stage_fn, mse, q, x, t, axis="pp", **kw)
     return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
                          out_specs=P())(laid, xs, ts)

@@ -12,7 +12,8 @@ KINDS = (F, B, I, W)
 
 class Action(NamedTuple):
   """`kind` of microbatch `microbatch` on `chunk` (the device's `chunk`-th
-  virtual stage, global stage `chunk * stages + device`)."""
+  virtual stage: global stage `chunk * stages + device`, or in ZB-V's V
+  `device` for chunk 0 and `2 stages - 1 - device` for chunk 1)."""
   kind: str
   microbatch: int
   chunk: int = 0
@@ -21,12 +22,30 @@ class Action(NamedTuple):
     return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def global_stage(device: int, chunk: int, stages: int) -> int:
-  """The global stage of `chunk` on `device`: chunk-major, as the layout
+#: Where the global stages sit. "chunk-major": stage j*p + d is chunk j of
+#: device d (interleaved). "v": stage d is chunk 0 of device d and stage
+#: 2p-1-d its chunk 1 (ZB-V), so device 0 holds the first and the last stage
+#: and the turn from stage p-1 to stage p stays on device p-1.
+PLACEMENTS = ("chunk-major", "v")
+
+
+def placement_of(schedule: str) -> str:
+  """The placement `schedule` runs on."""
+  return "v" if schedule == "zb-v" else "chunk-major"
+
+
+def global_stage(device: int, chunk: int, stages: int,
+                 placement: str = "chunk-major") -> int:
+  """The global stage of `chunk` on `device` under `placement`, as the layout
   helper stacks them (layout.py)."""
+  if placement == "v":
+    return device if chunk == 0 else 2 * stages - 1 - device
   return chunk * stages + device
 
 
-def device_chunk(stage: int, stages: int) -> tuple[int, int]:
-  """Inverse of `global_stage`."""
+def device_chunk(stage: int, stages: int,
+                 placement: str = "chunk-major") -> tuple[int, int]:
+  """(device, chunk) of global stage `stage`: the inverse of `global_stage`."""
+  if placement == "v":
+    return (stage, 0) if stage < stages else (2 * stages - 1 - stage, 1)
   return stage % stages, stage // stages

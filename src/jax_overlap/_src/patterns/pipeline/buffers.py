@@ -26,12 +26,24 @@ IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, I_FIRST, I_MID, W_ANY = range(9)
 
 @dataclasses.dataclass(frozen=True)
 class Send:
-  """One direction's send at a tick: `perm` pairs (source, destination),
+  """One send at a tick, one ppermute: `buffer` "inputs" (activations to
+  the next stage) or "dys" (cotangents to the stage before), `perm` pairs
+  (source, destination), empty where the hand-over stays on the device
+  (ZB-V's turn: the device writes its own output, no collective),
   `slots[d]` the row device d writes the received value into (-1: none),
   `deferred`: finished after the next tick's compute."""
+  buffer: str
   perm: tuple[tuple[int, int], ...]
   slots: tuple[int, ...]
   deferred: bool
+
+  @property
+  def local(self) -> bool:
+    return not self.perm
+
+  @property
+  def what(self) -> str:
+    return "activations" if self.buffer == "inputs" else "cotangents"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +52,11 @@ class Tick:
   microbatch: tuple[int, ...]
   chunk: tuple[int, ...]
   slot: tuple[int, ...]
-  forward: Send | None          # activations to the next stage
-  backward: Send | None         # cotangents to the stage before
+  #: The tick's sends: activations first, then cotangents. One a direction
+  #: on the chunk-major placement; on ZB-V's V a device may receive from
+  #: both neighbours at a tick, so each way along the devices is a send of
+  #: its own, and the turn is a local one.
+  sends: tuple[Send, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,36 +75,54 @@ def _branch(kind: str, g: int, last: int) -> int:
   return W_ANY
 
 
+def _route(src: int, dst: int, placement: str) -> int:
+  """Which send of its buffer a transfer from device `src` to `dst` rides:
+  0 local; on the chunk-major ring every other one is one send (1), on the
+  V one a way (1 down the devices, -1 up), so no device receives twice
+  from one send."""
+  if src == dst:
+    return 0
+  return 1 if placement != "v" or dst > src else -1
+
+
 def program(plan: PipelinePlan) -> Program:
   """The executor's per-tick tables for `plan`."""
-  p, v = plan.stages, plan.virtual_stages
+  p, v, placement = plan.stages, plan.virtual_stages, plan.placement
   last = p * v - 1
+  dev = lambda g: device_chunk(g, p, placement)[0]
   at = {}   # (kind, microbatch, global stage) -> tick
   for t, row in enumerate(plan.table):
     for d, a in enumerate(row):
       if a is not None:
         at[("grad" if a.kind in (B, I) else a.kind, a.microbatch,
-            global_stage(d, a.chunk, p))] = t
-  sends = {}     # (direction, tick) -> list of (src, dst, key on dst)
+            global_stage(d, a.chunk, p, placement))] = t
+  sends = {}     # (tick, buffer, route) -> list of (src, dst, key on dst)
   for (kind, i, g), t in at.items():
     if kind == F and g < last:
-      sends.setdefault(("fwd", t), []).append((g, g + 1, ("F", i, g + 1)))
+      sends.setdefault((t, "inputs", _route(dev(g), dev(g + 1), placement)),
+                       []).append((g, g + 1, ("F", i, g + 1)))
     if kind == "grad" and g > 0:
-      sends.setdefault(("bwd", t), []).append((g, g - 1, ("grad", i, g - 1)))
+      sends.setdefault((t, "dys", _route(dev(g), dev(g - 1), placement)),
+                       []).append((g, g - 1, ("grad", i, g - 1)))
   written = {}   # (microbatch, global stage) -> tick after whose compute its row is written
   for (kind, i, g), t in at.items():
     if kind == F and g == 0:
       written[(i, g)] = t - 1
   deferred = {}
-  for (direction, t), items in sends.items():
-    deferred[(direction, t)] = all(at[key] > t + 1 for _, _, key in items)
-    if direction == "fwd":
-      for _, dst, (_, i, g) in items:
-        written[(i, g)] = t + deferred[(direction, t)]
+  for (t, buffer, route), items in sends.items():
+    deferred[(t, buffer, route)] = route != 0 and all(
+        at[key] > t + 1 for _, _, key in items)
+    if buffer == "inputs":
+      for _, _, (_, i, g) in items:
+        written[(i, g)] = t + deferred[(t, buffer, route)]
   released = {}
   for (kind, i, g), t in at.items():   # a row's last reader: its F, B or W
     released[(i, g)] = max(released.get((i, g), -1), t)
-  slot_of, slots = _assign_slots(written, released, p)
+  slot_of, slots = _assign_slots(written, released, p, dev)
+  by_tick: dict = {}
+  for key in sorted(sends, key=lambda k: (k[0], k[1] == "dys", k[2])):
+    by_tick.setdefault(key[0], []).append(
+        _send(sends[key], key[1], deferred[key], slot_of, p, dev))
   ticks = []
   for t, row in enumerate(plan.table):
     branch, mb, ch, sl = [], [], [], []
@@ -100,36 +133,33 @@ def program(plan: PipelinePlan) -> Program:
         ch.append(0)
         sl.append(0)
         continue
-      g = global_stage(d, a.chunk, p)
+      g = global_stage(d, a.chunk, p, placement)
       branch.append(_branch(a.kind, g, last))
       mb.append(a.microbatch)
       ch.append(a.chunk)
       sl.append(slot_of[(a.microbatch, g)])
     ticks.append(Tick(tuple(branch), tuple(mb), tuple(ch), tuple(sl),
-                      _send(sends, deferred, slot_of, "fwd", t, p),
-                      _send(sends, deferred, slot_of, "bwd", t, p)))
+                      tuple(by_tick.get(t, ()))))
   return Program(tuple(ticks), slots)
 
 
-def _send(sends, deferred, slot_of, direction, t, p) -> Send | None:
-  items = sends.get((direction, t))
-  if not items:
-    return None
+def _send(items, buffer, deferred, slot_of, p, dev) -> Send:
   slots = [-1] * p
   perm = []
   for src, dst, (_, i, g) in items:
-    perm.append((device_chunk(src, p)[0], device_chunk(dst, p)[0]))
-    slots[device_chunk(dst, p)[0]] = slot_of[(i, g)]
-  return Send(tuple(sorted(perm)), tuple(slots), deferred[(direction, t)])
+    if dev(src) != dev(dst):
+      perm.append((dev(src), dev(dst)))
+    slots[dev(dst)] = slot_of[(i, g)]
+  return Send(buffer, tuple(sorted(perm)), tuple(slots), deferred)
 
 
-def _assign_slots(written, released, p):
+def _assign_slots(written, released, p, dev):
   """Rows by greedy interval colouring per device: a row written after tick
   w is free again for a write after tick r, its last reader."""
   slot_of = {}
   count = 0
   for d in range(p):
-    held = sorted((w, key) for key, w in written.items() if key[1] % p == d)
+    held = sorted((w, key) for key, w in written.items() if dev(key[1]) == d)
     free: list[int] = []
     busy: list[tuple[int, int]] = []   # (released, row)
     rows = 0

@@ -2,7 +2,9 @@
 
 The ticks are unrolled. At each, every device runs its action (work.py),
 then the tick's sends start as `ppermute_start` futures: one carrying
-activations to the next stage, one carrying cotangents back. A send is
+activations to the next stage, one carrying cotangents back (on ZB-V's V one
+each way along the devices, and the turn from stage p-1 to p written on its
+device without a collective; buffers.py). A send is
 finished after the next tick's compute where no device needs it sooner
 (buffers.py), so it is in flight while that tick computes. A forward action keeps its
 stage's residuals for the backward ones in rows beside the kept stage input
@@ -102,18 +104,18 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
         state[buffer] = _write_all(state[buffer], [f.done() for f in futs],
                                    send.slots, me)
       pending = []
-      for send, out, buffer, what in (
-          (tick.forward, out_fwd, "inputs", "activations"),
-          (tick.backward, out_bwd, "dys", "cotangents")):
-        if send is None:
+      for send in tick.sends:
+        out = jax.tree.leaves(out_fwd if send.buffer == "inputs" else out_bwd)
+        if send.local:   # ZB-V's turn: the device's own output, no collective
+          state[send.buffer] = _write_all(state[send.buffer], out, send.slots, me)
           continue
-        with moving(label(t, what, plan.table[t])):   # the report's leaf
-          futs = [ppermute_start(a, axis, send.perm) for a in jax.tree.leaves(out)]
+        with moving(label(t, send.what, plan.table[t])):   # the report's leaf
+          futs = [ppermute_start(a, axis, send.perm) for a in out]
         if send.deferred:
-          pending.append((futs, send, buffer))
+          pending.append((futs, send, send.buffer))
         else:
-          state[buffer] = _write_all(state[buffer], [f.done() for f in futs],
-                                     send.slots, me)
+          state[send.buffer] = _write_all(state[send.buffer],
+                                          [f.done() for f in futs], send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
   # only the last stage's are not 0
   with moving(sum_label("the loss")):   # the report's leaf (tick_names.py)

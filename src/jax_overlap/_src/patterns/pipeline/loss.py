@@ -134,7 +134,8 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                      f"{DISPATCHES} or None (chosen from the model).")
   plan = _plan.pipeline_schedule(schedule, p, m, virtual_stages,
                                  send_ticks=send_ticks)
-  forward = _plan.place("forward", p, m, virtual_stages, plan.send_ticks)
+  forward = _plan.place("forward", p, m, virtual_stages, plan.send_ticks,
+                        plan.placement)
   built = model_of(stage_fn, loss_fn, before, has_aux, stage_params, xs,
                    targets, axis)
   dispatch = _checks.choose_dispatch(dispatch, built.model.collective,

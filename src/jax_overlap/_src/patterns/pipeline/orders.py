@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, Action
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def check_arguments(schedule: str, p: int, m: int, v: int) -> None:
@@ -31,6 +31,13 @@ def check_arguments(schedule: str, p: int, m: int, v: int) -> None:
     if m % p:
       raise ValueError(f"schedule='interleaved' needs microbatches to be a "
                        f"multiple of stages: got microbatches={m}, stages={p}.")
+  elif schedule == "zb-v":
+    if v != 2:
+      raise ValueError("schedule='zb-v' runs two chunks a device on a V "
+                       f"(device d holds stages d and 2p-1-d): got "
+                       f"virtual_stages={v}; pass virtual_stages=2 (and lay "
+                       "the stages out with pipeline_stage_layout(..., "
+                       "schedule='zb-v')).")
   elif v != 1:
     raise ValueError(f"schedule={schedule!r} runs one chunk a device: got "
                      f"virtual_stages={v}; use schedule='interleaved'.")

@@ -25,7 +25,8 @@ from typing import NamedTuple
 from jax_overlap._src.patterns.pipeline import orders as _orders
 from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, Action,
                                                        device_chunk,
-                                                       global_stage)
+                                                       global_stage,
+                                                       placement_of)
 
 
 class Simulation(NamedTuple):
@@ -62,6 +63,7 @@ class PipelinePlan:
   virtual_stages: int
   send_ticks: int | None     # None: one kind of action a tick, alternating
   table: tuple[tuple[Action | None, ...], ...]
+  placement: str = "chunk-major"   # where the global stages sit (actions.py)
 
   @property
   def ticks(self) -> int:
@@ -102,10 +104,11 @@ class PipelinePlan:
         if a is None:
           continue
         start = free[d]
-        for key, dev in _deps(a, d, self.stages, self.virtual_stages):
+        for key, dev in _deps(a, d, self.stages, self.virtual_stages,
+                              self.placement):
           start = max(start, finish[key] + (send if dev != d else 0.0))
         end = start + cost[a.kind]
-        finish[_key(a, d, self.stages)] = end
+        finish[_key(a, d, self.stages, self.placement)] = end
         free[d] = end
         busy[d] += cost[a.kind]
         span = spans[d].setdefault((a.microbatch, a.chunk), [start, end])
@@ -116,21 +119,23 @@ class PipelinePlan:
     return Simulation(makespan, bubble, tuple(_peak(s.values()) for s in spans))
 
 
-def _key(a: Action, d: int, p: int):
+def _key(a: Action, d: int, p: int, placement: str = "chunk-major"):
   kind = "grad" if a.kind in (B, I) else a.kind
-  return kind, a.microbatch, global_stage(d, a.chunk, p)
+  return kind, a.microbatch, global_stage(d, a.chunk, p, placement)
 
 
-def _deps(a: Action, d: int, p: int, v: int):
-  """(key, device) of what `a` waits for."""
-  g = global_stage(d, a.chunk, p)
+def _deps(a: Action, d: int, p: int, v: int, placement: str = "chunk-major"):
+  """(key, device) of what `a` waits for (a device equal to d: no send)."""
+  g = global_stage(d, a.chunk, p, placement)
   if a.kind == F:
-    return [] if g == 0 else [(("F", a.microbatch, g - 1), device_chunk(g - 1, p)[0])]
+    return [] if g == 0 else [(("F", a.microbatch, g - 1),
+                               device_chunk(g - 1, p, placement)[0])]
   if a.kind == W:
     return [(("grad", a.microbatch, g), d)]
   deps = [(("F", a.microbatch, g), d)]
   if g < p * v - 1:
-    deps.append((("grad", a.microbatch, g + 1), device_chunk(g + 1, p)[0]))
+    deps.append((("grad", a.microbatch, g + 1),
+                 device_chunk(g + 1, p, placement)[0]))
   return deps
 
 
@@ -154,11 +159,16 @@ def default_send_ticks(schedule: str) -> int | None:
   return None if schedule in ALTERNATING else 1
 
 
-def place(schedule: str, p: int, m: int, v: int,
-          send_ticks: int | None) -> PipelinePlan:
-  """Places the schedule's orders on ticks (see the module docstring)."""
+def place(schedule: str, p: int, m: int, v: int, send_ticks: int | None,
+          placement: str | None = None) -> PipelinePlan:
+  """Places the schedule's orders on ticks (see the module docstring).
+  `placement`: where the stages sit, the schedule's by default (the
+  forward-only plan of a ZB-V loss runs on the V)."""
+  placement = placement or placement_of(schedule)
+  if schedule == "zb-v":
+    return _place_zero_bubble_v(p, m, send_ticks)
   if send_ticks is None:
-    return _place_alternating(schedule, p, m, v)
+    return _place_alternating(schedule, p, m, v, placement)
   order = _orders.orders(schedule, p, m, v, send_ticks)
   zero_bubble = schedule == "zb-h1"
   # zb-h1 keeps every device's live activations under 1F1B's peak, stage 0's
@@ -180,7 +190,7 @@ def place(schedule: str, p: int, m: int, v: int,
       nxt = order[d][pointer[d]] if pointer[d] < len(order[d]) else None
       can = nxt is not None and all(
           key in done_at and done_at[key] + 1 + (send_ticks if dev != d else 0) <= t
-          for key, dev in _deps(nxt, d, p, v))
+          for key, dev in _deps(nxt, d, p, v, placement))
       if can and zero_bubble and nxt.kind == F and live[d] >= cap:
         can = False
       if can:
@@ -192,16 +202,17 @@ def place(schedule: str, p: int, m: int, v: int,
       if a is None:
         continue
       todo -= 1
-      done_at[_key(a, d, p)] = t
+      done_at[_key(a, d, p, placement)] = t
       if zero_bubble:
         live[d] += {F: 1, W: -1}.get(a.kind, 0)
         if a.kind == I:
           pending_w[d].append(Action(W, a.microbatch, a.chunk))
     table.append(tuple(row))
-  return PipelinePlan(schedule, p, m, v, send_ticks, tuple(table))
+  return PipelinePlan(schedule, p, m, v, send_ticks, tuple(table), placement)
 
 
-def _place_alternating(schedule: str, p: int, m: int, v: int) -> PipelinePlan:
+def _place_alternating(schedule: str, p: int, m: int, v: int,
+                       placement: str = "chunk-major") -> PipelinePlan:
   """One kind of action a tick: the kind not run the tick before where a
   device is ready for it, else the kind most devices are ready for. 1F1B's
   warm-up is its order for sends a tick long (2 (p-1-d) forwards on device
@@ -221,7 +232,7 @@ def _place_alternating(schedule: str, p: int, m: int, v: int) -> PipelinePlan:
     for d in range(p):
       nxt = order[d][pointer[d]] if pointer[d] < len(order[d]) else None
       if nxt is not None and all(key in done_at and done_at[key] < t
-                                 for key, _ in _deps(nxt, d, p, v)):
+                                 for key, _ in _deps(nxt, d, p, v, placement)):
         ready.setdefault(nxt.kind, []).append(d)
     row: list[Action | None] = [None] * p
     if ready:
@@ -230,10 +241,10 @@ def _place_alternating(schedule: str, p: int, m: int, v: int) -> PipelinePlan:
         row[d] = order[d][pointer[d]]
         pointer[d] += 1
         todo -= 1
-        done_at[_key(row[d], d, p)] = t
+        done_at[_key(row[d], d, p, placement)] = t
       last_kind = kind
     table.append(tuple(row))
-  return PipelinePlan(schedule, p, m, v, None, tuple(table))
+  return PipelinePlan(schedule, p, m, v, None, tuple(table), placement)
 
 
 def pipeline_schedule(schedule: str, stages: int, microbatches: int,
@@ -277,3 +288,58 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
       or send_ticks < 0:
     raise ValueError(f"send_ticks={send_ticks!r}: expected None or an int >= 0.")
   return place(schedule, stages, microbatches, virtual_stages, send_ticks)
+
+
+#: ZB-V's choice on a device at a tick: the first of these that can run (a
+#: forward only under the cap), else its oldest pending W.
+_V_PRIORITY = ((I, 0), (I, 1), (F, 1), (F, 0))
+
+
+def _place_zero_bubble_v(p: int, m: int, send_ticks: int) -> PipelinePlan:
+  """ZB-V (Qi et al.): two chunks a device on a V (actions.py), each
+  backward split into I and W. A device runs, of the actions whose inputs
+  are there, an I (chunk 1's first: it is nearer the loss), else a forward
+  (chunk 1's first) while it holds fewer than `cap` chunk-microbatches, else
+  its oldest pending W; so the warm-up runs chunk 0's forwards until chunk
+  1's arrive, the steady state alternates forwards and I's, and the W's fill
+  what would be bubbles. `cap` is 1F1B's stage-0 peak for these sends,
+  counted in chunks (a chunk is half a stage): the peak memory stays
+  1F1B's."""
+  placement = "v"
+  cap = 2 * min(m, (p - 1) * (1 + send_ticks) + 1)
+  nxt = [dict.fromkeys(_V_PRIORITY, 0) for _ in range(p)]
+  pending_w: list[deque] = [deque() for _ in range(p)]
+  live = [0] * p
+  done_at: dict = {}
+  todo = 6 * m * p
+  table: list[tuple[Action | None, ...]] = []
+  while todo:
+    t = len(table)
+    if t > 8 * (6 * m * p + p * (send_ticks + 2)):
+      raise AssertionError(f"zb-v: no progress placing ({p}, {m})")
+    row: list[Action | None] = [None] * p
+    for d in range(p):
+      for kind, chunk in _V_PRIORITY:
+        i = nxt[d][kind, chunk]
+        if i >= m or (kind == F and live[d] >= cap):
+          continue
+        a = Action(kind, i, chunk)
+        if all(key in done_at and
+               done_at[key] + 1 + (send_ticks if dev != d else 0) <= t
+               for key, dev in _deps(a, d, p, 2, placement)):
+          row[d] = a
+          nxt[d][kind, chunk] += 1
+          break
+      else:
+        if pending_w[d]:
+          row[d] = pending_w[d].popleft()
+    for d, a in enumerate(row):
+      if a is None:
+        continue
+      todo -= 1
+      done_at[_key(a, d, p, placement)] = t
+      live[d] += {F: 1, W: -1}.get(a.kind, 0)
+      if a.kind == I:
+        pending_w[d].append(Action(W, a.microbatch, a.chunk))
+    table.append(tuple(row))
+  return PipelinePlan("zb-v", p, m, 2, send_ticks, tuple(table), placement)
