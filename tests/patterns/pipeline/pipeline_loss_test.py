@@ -21,6 +21,8 @@ def _grid():
     for schedule in ("gpipe", "1f1b", "zb-h1"):
       yield schedule, p, k * p, 1
     yield "interleaved", p, k * p, 2
+  for p, m in ((2, 4), (2, 3), (4, 8), (4, 6)):   # m = 2p and one not a multiple
+    yield "zb-v", p, m, 2
 
 
 def _check(loss, ref, params, xs, ts):
@@ -37,6 +39,7 @@ def _check(loss, ref, params, xs, ts):
 @pytest.mark.newest_jax(older_jax=[
     "test_values_and_gradients[gpipe-2-4-1]", "test_values_and_gradients[1f1b-4-4-1]",
     "test_values_and_gradients[zb-h1-2-6-1]",
+    "test_values_and_gradients[zb-v-2-3-2]",
     "test_values_and_gradients[interleaved-2-4-2]"])
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,v", list(_grid()))
@@ -46,7 +49,8 @@ def test_values_and_gradients(schedule, p, m, v):
          sequential_loss, params, xs, ts)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                                        ("zb-v", 2)])
 def test_waiting_sends_give_the_same(schedule, v):
   params, xs, ts = model(2 * v, 4)
   _check(pipelined_loss(2, schedule=schedule, virtual_stages=v, send_ticks=0),
@@ -113,6 +117,36 @@ def test_rows_are_the_live_activations():
       s, 4, m, send_ticks=1)).slots
   assert rows("1f1b", 8) == rows("1f1b", 32) <= 2 * 4
   assert rows("gpipe", 8) == 8 and rows("gpipe", 32) == 32
+  # ZB-V: a row a chunk-microbatch, flat in m from m = 4p (17 at p = 4: the
+  # 14 live chunk-microbatches of its peak and inputs received before the
+  # cap lets their forward run)
+  v_rows = lambda m: buffers.program(plan_lib.pipeline_schedule(
+      "zb-v", 4, m, 2, send_ticks=1)).slots
+  assert v_rows(16) == v_rows(64) == 17
+
+
+def test_zb_v_sends_each_way_and_turns_on_the_device():
+  """On ZB-V's V a device can receive activations from both neighbours at
+  one tick (chunk 0's going down the devices, chunk 1's up): each way is a
+  ppermute of its own, no destination twice in one; the turn from stage p-1
+  to stage p (and its cotangent back) is written on device p-1 with no
+  collective; and each deferred send has the next tick's compute between
+  its start and done()."""
+  p, m = 4, 8
+  params, xs, ts = model(2 * p, m)
+  prog = buffers.program(plan_lib.pipeline_schedule("zb-v", p, m, 2))
+  sends = [(t, s) for t, tick in enumerate(prog.ticks) for s in tick.sends]
+  assert all(len({d for _, d in s.perm}) == len(s.perm) for _, s in sends)
+  assert any(sum(not s.local and s.buffer == "inputs" for s in tick.sends) == 2
+             for tick in prog.ticks)
+  local = [s for _, s in sends if s.local]
+  assert len(local) == 2 * m          # each microbatch's turn, F and I
+  assert all(s.slots[:p - 1] == (-1,) * (p - 1) for s in local)
+  remote = [(t, s) for t, s in sends if not s.local]
+  computing = [t for t, s in remote if s.deferred
+               and set(prog.ticks[t + 1].branch) != {buffers.IDLE}]
+  assert _sends_in_flight(pipelined_loss(p, schedule="zb-v", virtual_stages=2),
+                          len(remote), params, xs, ts) >= len(computing)
 
 
 def test_sends_are_futures_in_flight_over_the_next_tick():
@@ -123,8 +157,7 @@ def test_sends_are_futures_in_flight_over_the_next_tick():
   p, m = 4, 8
   params, xs, ts = model(p, m)
   prog = buffers.program(plan_lib.pipeline_schedule("1f1b", p, m, send_ticks=1))
-  sends = [(t, s) for t, tick in enumerate(prog.ticks)
-           for s in (tick.forward, tick.backward) if s is not None]
+  sends = [(t, s) for t, tick in enumerate(prog.ticks) for s in tick.sends]
   assert all(s.deferred for _, s in sends)
   computing = [t for t, _ in sends
                if set(prog.ticks[t + 1].branch) != {buffers.IDLE}]
@@ -144,7 +177,7 @@ def test_the_default_1f1b_alternates_and_hides_the_steady_states_sends():
   assert plan.ticks == 2 * (m + p - 1)
   assert all(len({a.kind for a in row if a}) <= 1 for row in plan.table)
   prog = buffers.program(plan)
-  sends = [s for tick in prog.ticks for s in (tick.forward, tick.backward) if s]
+  sends = [s for tick in prog.ticks for s in tick.sends]
   deferred = sum(s.deferred for s in sends)
   assert deferred == len(sends) - 2 * (p - 1)
   assert _sends_in_flight(pipelined_loss(p), len(sends), params, xs, ts) == deferred

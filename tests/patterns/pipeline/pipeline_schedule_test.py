@@ -5,7 +5,8 @@ import itertools
 import pytest
 
 import jax_overlap._src.patterns.pipeline.plan as plan_lib
-from jax_overlap._src.patterns.pipeline.actions import B, F, I, W, global_stage
+from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, device_chunk,
+                                                       global_stage)
 
 pipeline_schedule = plan_lib.pipeline_schedule
 
@@ -16,6 +17,7 @@ def _cases():
     yield "gpipe", p, m, 1, send
     yield "1f1b", p, m, 1, send
     yield "zb-h1", p, m, 1, send
+    yield "zb-v", p, m, 2, send
     for v in (2, 3):
       yield "interleaved", p, m, v, send
 
@@ -29,7 +31,8 @@ def _placed(plan):
   for t, row in enumerate(plan.table):
     for d, a in enumerate(row):
       if a is not None:
-        key = (a.kind, a.microbatch, global_stage(d, a.chunk, plan.stages))
+        key = (a.kind, a.microbatch,
+               global_stage(d, a.chunk, plan.stages, plan.placement))
         assert key not in at, f"{key} twice"
         at[key] = (t, d)
   return at
@@ -41,20 +44,25 @@ def test_every_action_once_and_after_its_inputs(schedule, p, m, v, send):
   send = plan.send_ticks or 0
   at = _placed(plan)
   stages = p * v
-  back = I if schedule == "zb-h1" else B
-  kinds = (F, I, W) if schedule == "zb-h1" else (F, B)
+  zero_bubble = schedule in ("zb-h1", "zb-v")
+  back = I if zero_bubble else B
+  kinds = (F, I, W) if zero_bubble else (F, B)
   assert len(at) == len(kinds) * m * stages
   for i, g in itertools.product(range(m), range(stages)):
     tf, df = at[F, i, g]
     tb, db = at[back, i, g]
-    assert df == db == g % p
+    assert df == db == device_chunk(g, p, plan.placement)[0]
     assert tf < tb                                   # F before its B / I
-    if schedule == "zb-h1":
+    if zero_bubble:
       assert at[W, i, g][0] > tb and at[W, i, g][1] == db   # I before W
-    if g > 0:                                        # F after the stage before
-      assert at[F, i, g - 1][0] + 1 + send <= tf
-    if g < stages - 1:                               # B after the stage after
-      assert at[back, i, g + 1][0] + 1 + send <= tb
+    # after the stage before (F) / after (B, I); a send unless the stage is
+    # on the same device (ZB-V's turn)
+    if g > 0:
+      tp_, dp_ = at[F, i, g - 1]
+      assert tp_ + 1 + (send if dp_ != df else 0) <= tf
+    if g < stages - 1:
+      tn, dn = at[back, i, g + 1]
+      assert tn + 1 + (send if dn != db else 0) <= tb
 
 
 @pytest.mark.parametrize("p,k", list(itertools.product((2, 3, 4, 8), (1, 2, 3, 4))))
@@ -119,6 +127,46 @@ def test_peak_activations(p, m):
              .peak_activations) <= p
 
 
+@pytest.mark.parametrize("p,k", list(itertools.product((2, 3, 4, 8), (2, 3, 4))))
+def test_zb_v_bubble_and_peak(p, k):
+  """ZB-V under unit costs (a chunk's F, I and W each 1, sends free), m >=
+  2p. The literature's table (send_ticks=0): every device runs its 6m
+  chunk actions and device p-1 cannot start before tick p-1, so the
+  makespan is at least 6m+p-1 and the bubble at least (p-1)/(6m+p-1); the
+  table reaches that bound (p=4, m=8: 0.0588, 51 ticks), below ZB-H1's
+  (p-1)/(3m+p-1) (0.111) and 1F1B's (0.273), holding 2p
+  chunk-microbatches a device, 1F1B's p stage-microbatches. The default
+  table (a tick a send): below ZB-H1's default, the peak again 1F1B's
+  default's in stage units (p=4, m=8: 0.0769 against 0.111; 14 chunks, 7
+  stages)."""
+  m = k * p
+  sim = lambda s, v=1, send=0: pipeline_schedule(s, p, m, v, send_ticks=send
+                                                 ).simulate(send=0)
+  zbv = sim("zb-v", 2)
+  assert zbv.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+  assert zbv.makespan == 6 * m + p - 1
+  assert zbv.bubble_fraction < sim("zb-h1").bubble_fraction < sim("1f1b").bubble_fraction
+  assert zbv.peak_activations == (2 * p,) * p
+  assert max(zbv.peak_activations) == 2 * max(sim("1f1b").peak_activations)
+  default = sim("zb-v", 2, None)
+  assert default.bubble_fraction < sim("zb-h1", 1, None).bubble_fraction
+  assert max(default.peak_activations) <= 2 * max(sim("1f1b", 1, None).peak_activations)
+
+
+def test_zb_v_print_and_placement():
+  """Device 0 holds the first and the last stage: its chunk 1 runs the
+  loss-side stage, and microbatch 0's forward turns on device p-1."""
+  plan = pipeline_schedule("zb-v", 2, 2, 2, send_ticks=0)
+  assert plan.placement == "v"
+  assert str(plan).splitlines()[:5] == [
+      "tick  stage 0  stage 1",
+      "   0  F0       .",
+      "   1  F1       F0",
+      "   2  .        F0.1",
+      "   3  F0.1     F1",
+  ]
+
+
 def test_simulate_other_costs():
   # GPipe's and 1F1B's bubble does not depend on the F/B ratio.
   for schedule in ("gpipe", "1f1b"):
@@ -145,6 +193,7 @@ def test_print_is_a_table():
   ]
   assert "I0" in str(pipeline_schedule("zb-h1", 2, 2))
   assert "F0.1" in str(pipeline_schedule("interleaved", 2, 2, 2))
+  assert "I0.1" in str(pipeline_schedule("zb-v", 2, 2, 2))
 
 
 @pytest.mark.parametrize("args,match", [
@@ -154,6 +203,9 @@ def test_print_is_a_table():
     (("interleaved", 2, 3, 2), "multiple of stages"),
     (("interleaved", 2, 4, 1), "virtual_stages >= 2"),
     (("1f1b", 2, 4, 2), "use schedule='interleaved'"),
+    (("zb-v", 2, 4), "pass virtual_stages=2"),
+    (("zb-v", 2, 4, 3), "virtual_stages=3"),
+    (("zb-v", 4, 2, 2), "microbatches >= stages"),
     (("gpipe", 2, 0), "microbatches=0"),
 ])
 def test_unsupported_arguments(args, match):

@@ -1,7 +1,7 @@
 """Each schedule's order of actions on each device, as the literature gives it.
 
 The order is all a schedule is; `plan.py` places the actions on ticks by
-their dependencies. `send_ticks` (ticks a stage-to-stage send is in flight)
+their dependencies (ZB-V's is chosen as it is placed: plan.py). `send_ticks` (ticks a stage-to-stage send is in flight)
 lengthens the warm-ups so that the steady state does not stall: in 1F1B a
 microbatch's round trip from stage d back to stage d is then
 `2 (p-1-d) (1+send_ticks) + 1` ticks. Pinned by pipeline_schedule_test.py.

@@ -12,6 +12,10 @@ tick count, and devices of a collective group never run different actions
 here: a device runs a pending W where its next F or I cannot run, or where an
 F would hold more activations than 1F1B's stage 0 (so the peak stays
 1F1B's).
+ZB-V (`_place_zero_bubble_v`) has no fixed order: on its V (device d holds
+stages d and 2p-1-d, actions.py) each device runs, of what is ready, an I,
+else a forward under twice 1F1B's peak in chunks, else a pending W; under
+unit costs and free sends its table is 6m+p-1 ticks, the least any can be.
 `simulate` times the same orders under other costs. Pinned by
 tests/patterns/pipeline/pipeline_schedule_test.py.
 """
@@ -155,7 +159,8 @@ ALTERNATING = ("1f1b", "interleaved", "forward")
 def default_send_ticks(schedule: str) -> int | None:
   """What `send_ticks=None` means for `schedule`: one kind a tick (None)
   for 1F1B and interleaved; a tick a send (1) for GPipe, whose sends all
-  feed the next tick, and ZB-H1, whose W's fill ticks beside F's and I's."""
+  feed the next tick, and ZB-H1 and ZB-V, whose W's fill ticks beside F's
+  and I's."""
   return None if schedule in ALTERNATING else 1
 
 
@@ -254,18 +259,21 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
 
   Args:
     schedule: "gpipe", "1f1b", "interleaved" (Megatron's 1F1B over
-      `virtual_stages` chunks a device) or "zb-h1" (zero bubble: the backward
+      `virtual_stages` chunks a device), "zb-h1" (zero bubble: the backward
       split into its input gradient I and weight gradient W, each W run later
-      to fill the bubbles).
+      to fill the bubbles) or "zb-v" (zero bubble on a V of two chunks a
+      device: `virtual_stages=2`, device d holds stages d and 2p-1-d; its
+      bubble under unit costs with free sends, (p-1)/(6m+p-1), is the least
+      any table has).
     stages: p, devices along the pipeline axis (at least 2).
     microbatches: m.
     virtual_stages: v, chunks a device; global stage `j*p + d` is chunk j of
-      device d.
+      device d (ZB-V: 2, stage d chunk 0 and stage 2p-1-d chunk 1).
     send_ticks: None (default): what `pipeline_loss` runs by default: for
       1F1B and interleaved one kind of action a tick, forward and backward
       ticks alternating, each send in flight over a tick of the other kind
       (the literature's tick count; only the warm-up's and the drain's sends
-      are waited for); for GPipe and ZB-H1 1. An int: ticks a send is in
+      are waited for); for GPipe, ZB-H1 and ZB-V 1. An int: ticks a send is in
       flight, each a tick of its own (0: the literature's tables with sends
       that take no time; 1: each send in flight while the next tick
       computes).
@@ -280,6 +288,10 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     >>> sim = plan.simulate()
     >>> plan.ticks, round(sim.bubble_fraction, 4), sim.peak_activations
     (22, 0.2727, (7, 5, 3, 1))
+    >>> zbv = jax_overlap.pipeline_schedule("zb-v", 4, 8, 2, send_ticks=0)
+    >>> sim = zbv.simulate()   # peaks in chunk-microbatches, half a stage each
+    >>> zbv.ticks, round(sim.bubble_fraction, 4), sim.peak_activations
+    (51, 0.0588, (8, 8, 8, 8))
   """
   _orders.check_arguments(schedule, stages, microbatches, virtual_stages)
   if send_ticks is None:
