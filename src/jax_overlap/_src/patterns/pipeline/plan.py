@@ -15,7 +15,9 @@ F would hold more activations than 1F1B's stage 0 (so the peak stays
 ZB-V (`_place_zero_bubble_v`) has no fixed order: on its V (device d holds
 stages d and 2p-1-d, actions.py) each device runs, of what is ready, an I,
 else a forward under twice 1F1B's peak in chunks, else a pending W; under
-unit costs and free sends its table is 6m+p-1 ticks, the least any can be.
+unit costs and free sends its table is 6m+p-1 ticks, the least any table
+on the V can be (device p-1 runs 6m actions and starts at tick p-1 at the
+earliest).
 `simulate` times the same orders under other costs. Pinned by
 tests/patterns/pipeline/pipeline_schedule_test.py.
 """
@@ -264,7 +266,7 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
       to fill the bubbles) or "zb-v" (zero bubble on a V of two chunks a
       device: `virtual_stages=2`, device d holds stages d and 2p-1-d; its
       bubble under unit costs with free sends, (p-1)/(6m+p-1), is the least
-      any table has).
+      any table on the V has).
     stages: p, devices along the pipeline axis (at least 2).
     microbatches: m.
     virtual_stages: v, chunks a device; global stage `j*p + d` is chunk j of
