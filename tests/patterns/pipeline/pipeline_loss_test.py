@@ -225,6 +225,11 @@ class TestMisuse:
     with pytest.raises(ValueError, match=r"stage_params\['b'\].*virtual_stages=2"):
       self._run(params=prm, schedule="interleaved", virtual_stages=2)
 
+  def test_zb_v_without_two_chunks(self):
+    with pytest.raises(ValueError, match=r"schedule='zb-v'.*virtual_stages=1; "
+                       r"pass virtual_stages=2"):
+      self._run(schedule="zb-v")
+
   def test_too_few_microbatches(self):
     with pytest.raises(ValueError, match="microbatches >= stages"):
       self._run(p=4, m=2)
