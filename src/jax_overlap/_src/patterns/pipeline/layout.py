@@ -12,6 +12,7 @@ import numpy as np
 
 from jax_overlap._src.patterns.pipeline.actions import (global_stage,
                                                        placement_of)
+from jax_overlap._src.patterns.pipeline.orders import SCHEDULES
 
 
 def pipeline_stage_layout(stacked, stages: int, *, inverse: bool = False,
@@ -39,6 +40,9 @@ def pipeline_stage_layout(stacked, stages: int, *, inverse: bool = False,
     >>> jax_overlap.pipeline_stage_layout(jnp.arange(8), 4, schedule="zb-v")
     Array([0, 7, 1, 6, 2, 5, 3, 4], dtype=int32)
   """
+  if schedule is not None and schedule not in SCHEDULES:
+    raise ValueError(f"pipeline_stage_layout(schedule={schedule!r}): expected "
+                     f"None or one of {SCHEDULES}.")
   placement = placement_of(schedule or "1f1b")
 
   def move(a):
