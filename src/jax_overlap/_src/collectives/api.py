@@ -118,15 +118,43 @@ def all_gather_start(x, axis_name, *, axis: int = 0, tiled: bool = False,
                        dict(axis_name=axis_name, axis=axis, tiled=tiled, to=to))
 
 
-def psum_start(x, axis_name) -> Future:
+_PSUM_TO = ("invarying", "varying")
+
+
+def psum_start(x, axis_name, *, to: str = "invarying") -> Future:
   """Starts `jax.lax.psum(x, axis_name)`; returns its `Future`.
+
+  `to` says how the sum is typed, as `matmul_psum`'s `to=` does:
+
+  * "invarying" (the default): as `psum` types it, invariant over the
+    axis. Its gradient needs no collective (psum's transpose).
+  * "varying": typed varying over the axis (every device holds the same
+    sum), `jax.lax.pcast(psum(x), axis_name, to="varying")`, as a residual
+    stream that varies over the axis needs it. The cast's transpose, the
+    sum of the cotangent, is then this future's too: under `jax.grad` the
+    backward pass starts that sum where the forward `done()` was and
+    finishes it where the forward start was, so inside
+    `program_order(enforce=True)` the backward's sum is in flight across
+    the backward of the work written between them, as the forward's is
+    (without it, jax's transpose of the cast is a `psum` run whole there).
+    On TPU the sum and its cotangent's are each a reduce-scatter then an
+    all-gather (ring_psum.py); the cotangent's reduce-scatter has no TPU
+    form there (its buffer is not the type autodiff carries between the
+    halves) and is synchronous, its all-gather async.
+
+  Values and gradients equal `jax.lax.psum`'s, followed by the cast with
+  `to="varying"` (tests/collectives/psum_varying_test.py; the order on the
+  GPU compiler's lowering:
+  test_backward_sum_is_in_flight_across_the_backward_matmul).
 
   Args:
     x: the array to sum, inside `jax.shard_map` (or a named `vmap`).
     axis_name: the mesh axis name (or tuple of names) to sum over.
+    to: "invarying" (the default) or "varying", as above.
 
   Returns:
-    A `Future`; its `done()` returns exactly `jax.lax.psum`'s value.
+    A `Future`; its `done()` returns exactly `jax.lax.psum`'s value, typed
+    as `to` says.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -140,14 +168,43 @@ def psum_start(x, axis_name) -> Future:
     ...   return jax_overlap.psum_start(x, 'i').done()
     >>> f(jnp.arange(4.0))
     Array([2., 4.], dtype=float32)
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P('i'), out_specs=P('i'))
+    ... def g(x):   # the sum, typed varying: one copy per device
+    ...   return jax_overlap.psum_start(x, 'i', to='varying').done()
+    >>> g(jnp.arange(4.0))
+    Array([2., 4., 2., 4.], dtype=float32)
   """
   check_axis_name("psum", axis_name)
-  composed = _ring_psum.compose(x, axis_name, user_frame(), _scatter_part,
-                                _gather_part)
+  if to not in _PSUM_TO:
+    raise ValueError(
+        f"psum_start(to={to!r}): 'invarying' (typed as psum's result) or "
+        "'varying' (typed varying over the axis, its gradient's sum a "
+        "future too).")
+  varying = to == "varying"
+  composed = _ring_psum.compose(
+      x, axis_name, user_frame(), _scatter_part,
+      _gather_varying if varying else _gather_part)
   if composed is not None:
     return composed
-  fn = lambda v: jax.lax.psum(v, axis_name)
-  return _start_future("psum", fn, x, dict(axis_name=axis_name))
+  if varying:
+    fn = lambda v: _varying_sum(v, axis_name)
+  else:
+    fn = lambda v: jax.lax.psum(v, axis_name)
+  return _start_future("psum", fn, x, dict(axis_name=axis_name, to=to))
+
+
+def _varying_sum(v, axis_name):
+  """`psum(v)` cast back to vary over `axis_name`'s mesh axes (those of
+  them it does not vary over already: a positional or vmap axis is none)."""
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  y = jax.lax.psum(v, axis_name)
+  have = _compat.varying_axes(y)
+  if have is None:   # check_vma=False: no types to cast, psum transposes to psum
+    return y
+  missing = tuple(n for n in names
+                  if n in _ring_psum.mesh_axes() and n not in have)
+  return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
 def _scatter_part(flat, axis):
@@ -166,6 +223,13 @@ def _gather_part(chunk, axis):
     return composed
   return _start_future("all_gather", lambda v: _ring_psum.gather_invariant(v, axis),
                        chunk, second_half=True)
+
+
+def _gather_varying(chunk, axis):
+  """The all-gather half of `psum_start(to="varying")`'s ring form: a plain
+  all-gather, whose result varies over `axis` as the sum's type says there,
+  and whose transpose is a reduce-scatter future."""
+  return all_gather_start(chunk, axis, tiled=True)
 
 
 def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,

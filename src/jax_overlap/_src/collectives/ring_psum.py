@@ -59,7 +59,8 @@ source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)
 
 
-def _mesh_axes() -> tuple:
+def mesh_axes() -> tuple:
+  """The names of the current abstract mesh's axes; () where none."""
   try:
     return tuple(jax.sharding.get_abstract_mesh().axis_names)
   except Exception:  # noqa: BLE001 - no mesh: none
@@ -102,7 +103,7 @@ def is_ring(x, axis_name) -> bool:
   if bound is None:
     return False
   axis, n = bound
-  if not tpu_forms.is_forced() and axis not in _mesh_axes():
+  if not tpu_forms.is_forced() and axis not in mesh_axes():
     return False   # a vmap axis: the plain future
   size = math.prod(x.shape)
   return bool(jnp.issubdtype(x.dtype, jnp.number)) and 2 * -(-size // n) < size

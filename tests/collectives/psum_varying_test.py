@@ -1,0 +1,129 @@
+"""`psum_start(..., to="varying")`: a sum typed varying over its axis whose
+gradient's sum is a future too.
+
+Values and gradients equal `jax.lax.psum` followed by
+`jax.lax.pcast(..., to="varying")`, inside and outside an ordered block, with
+the TPU forms forced on CPU (the ring of a reduce-scatter and an all-gather,
+and the copies form of a small buffer); on the GPU lowering the backward's
+sum is a start/done pair around the backward's matmuls; a bad `to` is
+refused at the call.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap as jo
+from jax_overlap._src import _compat
+from jax_overlap._src.collectives import tpu_forms
+
+AXIS = "i"
+
+
+def _x(shape, seed=0):
+  rng = np.random.RandomState(seed)
+  return jnp.asarray(rng.randint(-4, 5, shape).astype(np.float32))
+
+
+def _sum(ours):
+  if ours:
+    return lambda y: jo.psum_start(y, AXIS, to="varying")
+  return lambda y: _Done(jax.lax.pcast(jax.lax.psum(y, AXIS), AXIS, to="varying"))
+
+
+class _Done:
+  def __init__(self, value):
+    self.value = value
+
+  def done(self):
+    return self.value
+
+
+def _loss(mesh, ours, enforce):
+  """A row-parallel matmul whose varying sum meets a varying residual, with
+  a matmul written while the sum is in flight; the loss summed over the
+  axis inside, as a pipeline stage's."""
+  start = _sum(ours)
+
+  def body(x, w, a):
+    y = x @ w
+    fut = start(y)
+    b = jnp.tanh(a.T @ a)          # in the sum's window
+    s = fut.done()
+    return s + x[:, :s.shape[1]] * 0.5, b   # meets a varying value
+
+  if enforce:
+    body = jo.program_order(enforce=True)(body)
+
+  def per_device(x, w, a):
+    s, b = body(x, w, a)
+    return jax.lax.psum(jnp.sum(s * s * 0.25) + jnp.sum(b * b), AXIS)
+
+  f = jax.shard_map(per_device, mesh=mesh,
+                    in_specs=(P(None, AXIS), P(AXIS), P(AXIS)), out_specs=P())
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+
+def _args(n, rows=4):
+  return _x((rows, 4 * n)), _x((4 * n, 4), 1) / 4, _x((2 * n, 3), 2) / 8
+
+
+@pytest.mark.parametrize("enforce", [False, True])
+def test_values_and_gradients_equal_psum_then_cast(mesh2, enforce):
+  args = _args(2)
+  got, want = _loss(mesh2, True, enforce)(*args), _loss(mesh2, False, False)(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [4, 1])   # the ring form; 4 elements: the copies form
+def test_tpu_forms_values_and_gradients(mesh8, rows):
+  args = _args(8, rows)
+  with tpu_forms.forced():
+    got = _loss(mesh8, True, True)(*args)
+  want = _loss(mesh8, False, False)(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_result_is_typed_varying(mesh2):
+  def per_device(x):
+    y = jo.psum_start(x, AXIS, to="varying").done()
+    assert AXIS in _compat.varying_axes(y)
+    z = jo.psum_start(x, AXIS).done()
+    assert AXIS not in _compat.varying_axes(z)
+    return y
+  f = jax.shard_map(per_device, mesh=mesh2, in_specs=P(AXIS), out_specs=P(AXIS))
+  np.testing.assert_array_equal(jax.jit(f)(jnp.arange(4.0)),
+                                [2.0, 4.0, 2.0, 4.0])
+
+
+@pytest.mark.skipif(not _compat.ASYNC_CUSTOM_CALLS,
+                    reason="this jax has no custom-call async form to read")
+def test_backward_sum_is_in_flight_across_the_backward_matmul(mesh2):
+  # The forward sum starts after x @ w and ends after the window's matmul;
+  # the backward's sum of the cotangent starts where the forward ended and
+  # ends after the two transposed matmuls of the window (a.T @ a's), before
+  # the transposes of x @ w. Without to="varying", jax's transpose of the
+  # cast would be a synchronous all-reduce there.
+  text = _loss(mesh2, True, True).trace(*_args(2)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  order = [m or "dot" for m in re.findall(
+      r'"(all-reduce-(?:start|done))"|stablehlo\.dot_general', text)]
+  assert order[:8] == ["dot", "all-reduce-start", "dot", "all-reduce-done",
+                       "all-reduce-start", "dot", "dot", "all-reduce-done"], order
+  assert len(re.findall(r"stablehlo\.all_reduce|all-reduce-start", text)) == 3
+  # (the third: the loss's own psum)
+
+
+@pytest.mark.parametrize("to", ["varied", None, "invariant"])
+def test_bad_to_is_refused(mesh2, to):
+  def per_device(x):
+    return jo.psum_start(x, AXIS, to=to).done()
+  f = jax.shard_map(per_device, mesh=mesh2, in_specs=P(AXIS), out_specs=P())
+  with pytest.raises(ValueError, match=r"psum_start\(to="):
+    jax.jit(f)(jnp.arange(4.0))
