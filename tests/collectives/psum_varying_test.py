@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import tpu_forms
+from jax_overlap._src.collectives import permute_forms, tpu_forms
 
 AXIS = "i"
 
@@ -80,12 +81,55 @@ def test_values_and_gradients_equal_psum_then_cast(mesh2, enforce):
     np.testing.assert_allclose(g, w, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [4, 1])   # the ring form; 4 elements: the copies form
-def test_tpu_forms_values_and_gradients(mesh8, rows):
-  args = _args(8, rows)
+@pytest.fixture(params=["v5e", "every_form", "v5p"])
+def forced(request, monkeypatch):
+  """The TPU forms on CPU: as on the v5e (a plain all-gather), every form
+  (the all-gather an all-to-all of copies too), or as on the v5p (the
+  ring's halves as permutes)."""
+  if request.param == "v5e":
+    monkeypatch.setattr(tpu_forms, "wanted",
+                        lambda name: name in tpu_forms.EVERY_TPU)
+  if request.param == "v5p":
+    monkeypatch.setattr(permute_forms, "wanted",
+                        lambda name: name in permute_forms.COLLECTIVES)
   with tpu_forms.forced():
-    got = _loss(mesh8, True, True)(*args)
-  want = _loss(mesh8, False, False)(*args)
+    yield request.param
+
+
+def _starts(jaxpr):
+  """(collective, whether it has a TPU form) of each start, in order."""
+  found = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "collective_start":
+      comm = e.params["comm"]
+      found.append((comm.name, comm.tpu_form is not None))
+    for sub in jax_core.jaxprs_in_params(e.params):
+      found += _starts(sub)
+  return found
+
+
+#: (collective, with a TPU form) of the starts of the value and gradient,
+#: forward then backward: the ring's reduce-scatter and all-gather (each an
+#: all-to-all), then the cotangent's reduce-scatter, in its TPU form, and
+#: all-gather (plain: the transpose of the forward reduce-scatter); over 2
+#: devices the copies form, both ways.
+RING = [("psum_scatter", True), ("all_gather", True),
+        ("psum_scatter", True), ("all_gather", False)]
+COPIES = [("psum", True), ("psum", True)]
+#: as permutes (v5p): N - 1 a half, each way
+PERMUTES = [("ppermute", False)] * (4 * 7)
+
+
+@pytest.mark.parametrize("devices", [8, 2])
+def test_tpu_forms_values_and_gradients(request, forced, devices):
+  mesh = request.getfixturevalue(f"mesh{devices}")
+  args = _args(devices)
+  program = _loss(mesh, True, True)
+  starts = _starts(program.trace(*args).jaxpr.jaxpr)
+  want = COPIES if devices == 2 else PERMUTES if forced == "v5p" else RING
+  assert starts == want, starts
+  got = program(*args)
+  want = _loss(mesh, False, False)(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-6)
 

@@ -28,9 +28,12 @@ traceback_util.register_exclusion(__file__)
 
 
 def _start_future(name: str, fn, x, params=None, *, aux=(),
-                  cpu_fn=None, sync_note=None, second_half=False) -> Future:
+                  cpu_fn=None, sync_note=None, second_half=False,
+                  form_anyway=False, first_half=False) -> Future:
   """The future of `fn(x, *aux)`; `cpu_fn` computes the same where XLA:CPU
-  cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`."""
+  cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`;
+  `form_anyway`: its TPU form whether or not this TPU wants it;
+  `first_half`, `second_half`: as `Comm`'s."""
   where = user_frame()
   try:
     if not isinstance(x, (jax.Array, core.Tracer)):
@@ -45,14 +48,16 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
   composed = _permute_forms.compose(name, params, x, where)
   if composed is not None:
     return composed
-  form = None if params is None else _tpu_forms.trace_form(name, params, x)
+  form = None if params is None else _tpu_forms.trace_form(
+      name, params, x, anyway=form_anyway)
   if form is None:
     composed = _major_dim.compose(name, params, x, where, jaxpr.out_avals[0],
                                   _along_major)
     if composed is not None:
       return composed
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note, second_half)
+  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note, second_half,
+              params, first_half)
   in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm, tuple(aux)))
@@ -183,7 +188,8 @@ def psum_start(x, axis_name, *, to: str = "invarying") -> Future:
         "future too).")
   varying = to == "varying"
   composed = _ring_psum.compose(
-      x, axis_name, user_frame(), _scatter_part,
+      x, axis_name, user_frame(),
+      _scatter_first_half if varying else _scatter_part,
       _gather_varying if varying else _gather_part)
   if composed is not None:
     return composed
@@ -212,6 +218,20 @@ def _scatter_part(flat, axis):
   return psum_scatter_start(flat, axis, tiled=True)
 
 
+def _scatter_first_half(flat, axis):
+  """The reduce-scatter half of `psum_start(to="varying")`'s ring form,
+  its parts `Comm.first_half`: the cotangent's all-gather, their
+  transpose, is then a second half, placed by an ordered block inside the
+  cotangent's reduce-scatter window (ring_psum.advance_second_halves)."""
+  params = dict(axis_name=axis, scatter_dimension=0, tiled=True)
+  composed = _permute_forms.compose("psum_scatter", params, flat, user_frame(),
+                                    first_half=True)
+  if composed is not None:
+    return composed
+  fn = lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=0, tiled=True)
+  return _start_future("psum_scatter", fn, flat, params, first_half=True)
+
+
 def _gather_part(chunk, axis):
   """The all-gather half, typed invariant over `axis` as `psum`'s result is:
   all_gather_start's permute form where it has one (v5p; v5e on jax <
@@ -226,10 +246,23 @@ def _gather_part(chunk, axis):
 
 
 def _gather_varying(chunk, axis):
-  """The all-gather half of `psum_start(to="varying")`'s ring form: a plain
-  all-gather, whose result varies over `axis` as the sum's type says there,
-  and whose transpose is a reduce-scatter future."""
-  return all_gather_start(chunk, axis, tiled=True)
+  """The all-gather half of `psum_start(to="varying")`'s ring form, varying
+  over `axis` as the sum's type says there: where the all-gather is not
+  permutes (v5p; v5e with jax < 0.12: permute_forms.py), its TPU form, an
+  all-to-all of N copies of the chunk as (1, 1, c) (a ring all-gather's
+  bytes), whose buffer (N, 1, c) is that of its transpose's form, a
+  reduce-scatter, so that the cotangent's sum is async too
+  (transposed_forms.py). A plain all-gather on TPU is gathered flat
+  (major_dim.py), and its rank-1 flight is no such buffer."""
+  params = dict(axis_name=axis, axis=0, tiled=True)
+  composed = _permute_forms.compose("all_gather", params, chunk, user_frame(),
+                                    second_half=True)
+  if composed is not None:
+    return composed
+  fn = lambda v: jax.lax.all_gather(v, axis, tiled=True)
+  return _start_future("all_gather", fn, chunk.reshape(1, 1, -1),
+                       dict(params, to=None), second_half=True,
+                       form_anyway=True)
 
 
 def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,
