@@ -322,6 +322,17 @@ def test_several_all_to_all_forms_on_v5p_are_finished_at_once():
   assert any("aborts on some programs" in m for m in warned), warned
 
 
+def _sum_beside_two_matmuls(to):
+  """An ordered block: psum_start(x, "x", to=to), two matmuls, done()."""
+  @program_order(enforce=True)
+  def body(x, w):
+    future = jax_overlap.psum_start(x, "x", to=to)
+    y = jnp.tanh(w @ w)
+    y = jnp.tanh(y @ w)
+    return future.done(), y
+  return body
+
+
 @needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
 def test_psum_start_ring_halves_each_hide_behind_a_matmul(name):
@@ -332,13 +343,7 @@ def test_psum_start_ring_halves_each_hide_behind_a_matmul(name):
   # second. Without the move the all-gather starts at done(), its window
   # empty.
   t = target(name)
-
-  @program_order(enforce=True)
-  def body(x, w):
-    future = jax_overlap.psum_start(x, "x")
-    y = jnp.tanh(w @ w)
-    y = jnp.tanh(y @ w)
-    return future.done(), y
+  body = _sum_beside_two_matmuls("invarying")
 
   def f(x, w):
     a, y = body(x, w)
@@ -366,13 +371,7 @@ def test_varying_psum_backward_halves_are_async(name):
   # said: a plain psum_start with the cast after it leaves the cotangent's
   # sum a synchronous all-reduce.
   t = target(name)
-
-  @program_order(enforce=True)
-  def body(x, w):
-    future = jax_overlap.psum_start(x, "x", to="varying")
-    y = jnp.tanh(w @ w)
-    y = jnp.tanh(y @ w)
-    return future.done(), y
+  body = _sum_beside_two_matmuls("varying")
 
   def f(x, w, r):
     a, y = body(x, w)
