@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap as jo
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import permute_forms, tpu_forms
+from jax_overlap._src.collectives import permute_forms, ring_psum, tpu_forms
 
 AXIS = "i"
 
@@ -171,3 +171,61 @@ def test_bad_to_is_refused(mesh2, to):
   f = jax.shard_map(per_device, mesh=mesh2, in_specs=P(AXIS), out_specs=P())
   with pytest.raises(ValueError, match=r"psum_start\(to="):
     jax.jit(f)(jnp.arange(4.0))
+
+
+def _blocks(jaxpr):
+  """The ordered blocks' jaxprs inside `jaxpr`, in order."""
+  found = []
+  for e in jaxpr.eqns:
+    subs = list(jax_core.jaxprs_in_params(e.params))
+    if e.primitive.name == "program_order":
+      found += subs
+    for sub in subs:
+      found += _blocks(sub)
+  return found
+
+
+def _placement(jaxpr):
+  """The collective starts and dones and matmuls of `jaxpr`, in order."""
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name in ("collective_start", "collective_done"):
+      comm = e.params["comm"]
+      out.append(f"{comm.name}-{e.primitive.name.split('_')[1]}")
+    elif e.primitive.name == "dot_general":
+      out.append("dot")
+  return out
+
+
+def test_backward_ring_halves_are_placed_beside_the_backward_matmuls(mesh8, forced):
+  # The ordered block's rewrite (ring_psum.advance_second_halves, applied
+  # when a block is fenced): forward, the all-gather half moves up after the
+  # first of the window's two matmuls; backward, where the cotangent's
+  # reduce-scatter starts and ends at the forward's done(), its all-gather
+  # half moves down after half of the window's backward matmuls.
+  if forced == "v5p":
+    pytest.skip("as permutes: the same moves, 7 parts a half")
+
+  def per_device(x, w, a):
+    @jo.program_order(enforce=True)
+    def body(x, w, a):
+      fut = jo.psum_start(x @ w, AXIS, to="varying")
+      b = jnp.tanh(a @ a.T)
+      b = jnp.tanh(b @ a)
+      return fut.done(), b
+    s, b = body(x, w, a)
+    return jax.lax.psum(jnp.sum(s * s) + jnp.sum(b), AXIS)
+
+  f = jax.shard_map(per_device, mesh=mesh8,
+                    in_specs=(P(None, AXIS), P(AXIS), P(AXIS)), out_specs=P())
+  args = _args(8)
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(*args).jaxpr
+  forward, backward = [_placement(ring_psum.advance_second_halves(b))
+                       for b in _blocks(jaxpr)]
+  assert forward == ["dot", "psum_scatter-start", "dot", "psum_scatter-done",
+                     "all_gather-start", "dot", "all_gather-done"], forward
+  # backward: a @ a.T and b @ a each transpose to two matmuls
+  assert backward[:2] == ["psum_scatter-start", "dot"], backward
+  i = backward.index("all_gather-start")
+  assert backward[i - 1] == "psum_scatter-done" and "dot" in backward[i:], backward
+  assert backward.index("psum_scatter-done") > backward.index("dot"), backward

@@ -143,14 +143,18 @@ def psum_start(x, axis_name, *, to: str = "invarying") -> Future:
     the backward of the work written between them, as the forward's is
     (without it, jax's transpose of the cast is a `psum` run whole there).
     On TPU the sum and its cotangent's are each a reduce-scatter then an
-    all-gather (ring_psum.py); the cotangent's reduce-scatter has no TPU
-    form there (its buffer is not the type autodiff carries between the
-    halves) and is synchronous, its all-gather async.
+    all-gather (ring_psum.py), every half in its async TPU form (the
+    forward all-gather an all-to-all of copies, so that the cotangent's
+    reduce-scatter form can ride in its slot: transposed_forms.py), and in
+    an ordered block each half of either is placed beside half of the
+    window's matmuls.
 
   Values and gradients equal `jax.lax.psum`'s, followed by the cast with
-  `to="varying"` (tests/collectives/psum_varying_test.py; the order on the
-  GPU compiler's lowering:
-  test_backward_sum_is_in_flight_across_the_backward_matmul).
+  `to="varying"` (tests/collectives/psum_varying_test.py, and in every mode
+  tests/integration/modes_test.py; the order on the GPU compiler's
+  lowering: test_backward_sum_is_in_flight_across_the_backward_matmul; on
+  the TPU compiler: tests/aot/tpu_forms_compiled_test.py::
+  test_varying_psum_backward_halves_are_async).
 
   Args:
     x: the array to sum, inside `jax.shard_map` (or a named `vmap`).
