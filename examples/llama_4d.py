@@ -18,7 +18,10 @@ same parameters inside one `jax.shard_map` over a mesh whose axes say how:
   block's projections are `all_gather_matmul` / `matmul_reduce_scatter` rings
   (Megatron's sequence parallelism, the communication hidden behind the
   matmuls); with `tensor="psum"` the activations are whole and each block ends
-  in a sum (Megatron's first form), `matmul_psum` in chunks of the sequence;
+  in a sum (Megatron's first form): in a pipeline stage the sequence cut in 2
+  chunks streamed through the stage's blocks (`chunked_stream`: each sum a
+  `psum_start(..., to="varying")` future in flight behind the other chunk's
+  work, forward and backward), without `pp` `matmul_psum` in chunks;
 - `cp` (context parallel): the sequence split in the zigzag layout, attention
   by `ring_attention` (causal);
 - `ep` (expert parallel): the experts spread over it, `expert_parallel` sends
@@ -128,12 +131,14 @@ def rope(x, positions):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
-def dense_attention(q, k, v, positions):
-  """Causal GQA over the whole sequence: q [b, s, heads, hd], k, v [b, s, kv, hd]."""
+def dense_attention(q, k, v, positions, key_positions=None):
+  """Causal GQA: q [b, s, heads, hd] at `positions`, k, v [b, t, kv, hd] at
+  `key_positions` (default: the same, the whole sequence)."""
+  key_positions = positions if key_positions is None else key_positions
   group = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-  causal = positions[:, None] >= positions[None, :]
+  causal = positions[:, None] >= key_positions[None, :]
   logits = jnp.where(causal, logits, -jnp.inf)
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v)
 
@@ -173,26 +178,94 @@ class Parallel:
   moe: Callable | None = None                    # (h [T, d], w) -> [T, d]
 
 
+def qkv_of(x, w, column):
+  """q, k, v [b, s, heads or kv_heads, head_dim] of x's normed tokens, in one
+  projection (one ring under tensor="collective")."""
+  b, head_dim = x.shape[0], w["wq"].shape[-1]
+  h = rms_norm(x, w["attn_norm"])
+  flat = lambda a: a.reshape(a.shape[0], -1)
+  qkv = column(h, jnp.concatenate([flat(w[n]) for n in ("wq", "wk", "wv")], -1))
+  s = qkv.shape[1]                    # the whole sequence under tensor="collective"
+  heads, kv = w["wq"].shape[1], w["wk"].shape[1]
+  return jnp.split(qkv.reshape(b, s, heads + 2 * kv, head_dim),
+                   [heads, heads + kv], axis=2)
+
+
+def gate_up_of(w):
+  return jnp.concatenate([w["w_gate"], w["w_up"]], -1)
+
+
 def block(x, w, par: Parallel = Parallel()):
   """One decoder block on x [b, s, d] (a plan's local part of it)."""
   b, d = x.shape[0], x.shape[-1]
-  head_dim = w["wq"].shape[-1]
-  h = rms_norm(x, w["attn_norm"])
-  # q, k and v in one projection (one ring under tensor="collective")
-  flat = lambda a: a.reshape(a.shape[0], -1)
-  qkv = par.column(h, jnp.concatenate([flat(w[n]) for n in ("wq", "wk", "wv")], -1))
-  s = qkv.shape[1]                    # the whole sequence under tensor="collective"
-  heads, kv = w["wq"].shape[1], w["wk"].shape[1]
-  q, k, v = jnp.split(qkv.reshape(b, s, heads + 2 * kv, head_dim),
-                      [heads, heads + kv], axis=2)
+  q, k, v = qkv_of(x, w, par.column)
+  s = q.shape[1]
   pos = par.positions(s)
   o = par.attend(rope(q, pos), rope(k, pos), v, pos)
-  x = x + par.row(o.reshape(b, s, heads * head_dim), w["wo"].reshape(-1, d))
+  x = x + par.row(o.reshape(b, s, -1), w["wo"].reshape(-1, d))
   h = rms_norm(x, w["mlp_norm"])
   if "router" in w:
     return x + (par.moe or dense_experts)(h.reshape(-1, d), w).reshape(x.shape)
-  gate_up = jnp.concatenate([w["w_gate"], w["w_up"]], -1)
-  return x + swiglu(h, gate_up, w["w_down"], par.column, par.row)
+  return x + swiglu(h, gate_up_of(w), w["w_down"], par.column, par.row)
+
+
+def chunked_stream(x, w, axis, chunks: int = 2):
+  """The blocks `w` ([layers, ...], heads and hidden units split over
+  `axis`) on x [b, s, d] as `block` (tensor="psum") computes them, with the
+  sequence cut into `chunks` (NVIDIA's Domino): each projection's sum over
+  `axis` a `psum_start` future typed varying, in flight while the next
+  chunk's part (its attention or MLP) runs, in that order
+  (`program_order`). Chunk c's attention needs chunks 0..c's keys and
+  values only. The backward mirrors it: each sum's transpose is a future
+  too, in flight behind the backward of the part written after it. One sum
+  in flight at a time (TPU's forms allow one all-to-all); the stream's last
+  sum has nothing after it."""
+  b, s, d = x.shape
+  layers = jax.tree.leaves(w)[0].shape[0]
+  bounds = [s * c // chunks for c in range(chunks + 1)]
+  positions = jnp.arange(s, dtype=jnp.float32)
+
+  @jax_overlap.program_order(enforce=True)
+  def run(w, x):
+    xs = [x[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    pending = []      # [(chunk, its residual, the future of its sum)]
+
+    def step(c, partial):
+      """Start chunk c's sum after finishing the one in flight."""
+      settle()
+      pending.append((c, xs[c], jax_overlap.psum_start(partial, axis, to="varying")))
+
+    def settle():
+      if pending:
+        c, residual, future = pending.pop()
+        xs[c] = residual + future.done()
+
+    def chunk(c):
+      """Chunk c's residual, its sum finished first if still in flight
+      (one chunk: nothing to write in its window)."""
+      if pending and pending[-1][0] == c:
+        settle()
+      return xs[c]
+
+    for layer in range(layers):
+      wl = jax.tree.map(lambda a: a[layer], w)
+      keys, values = [], []
+      for c in range(chunks):
+        q, k, v = qkv_of(chunk(c), wl, lambda h, m: h @ m)
+        pos = positions[bounds[c]:bounds[c + 1]]
+        keys.append(rope(k, pos))
+        values.append(v)
+        o = dense_attention(rope(q, pos), jnp.concatenate(keys, 1),
+                            jnp.concatenate(values, 1), pos,
+                            positions[:bounds[c + 1]])
+        step(c, o.reshape(b, o.shape[1], -1) @ wl["wo"].reshape(-1, d))
+      for c in range(chunks):
+        h = rms_norm(chunk(c), wl["mlp_norm"])
+        gate, up = jnp.split(h @ gate_up_of(wl), 2, axis=-1)
+        step(c, (jax.nn.silu(gate) * up) @ wl["w_down"])
+    settle()
+    return jnp.concatenate(xs, 1)
+  return run(w, x)
 
 
 def embed(params, tokens):
@@ -321,13 +394,10 @@ class Plan:
                     a, w, "tp", scatter_dimension=1))
     elif "tp" in self.axes:
       # psum(a @ w) with the rows in 2 chunks, each chunk's sum in flight
-      # behind the next chunk's matmul. In a stage the residual stream
-      # varies over 'tp' (pipeline_loss's activations vary over every input
-      # axis), so the sum is typed varying too and its gradient's sum is
-      # matmul_psum's, chunked the same way (not a psum jax adds after it).
-      to = "varying" if "pp" in self.axes else "invarying"
+      # behind the next chunk's matmul (with `pp` a stage is
+      # `chunked_stream` instead: see _body).
       kw.update(row=lambda a, w: jax_overlap.matmul_psum(
-          a, w, "tp", chunks=2, dimension=1, to=to))
+          a, w, "tp", chunks=2, dimension=1))
     if "cp" in self.axes:
       cp = self.axes["cp"]
 
@@ -365,6 +435,11 @@ class Plan:
     blocks = params["blocks"]
 
     def stage(w, x):    # w: this stage's blocks, [layers / pp, ...] (local parts)
+      if self.tensor == "psum" and "tp" in self.axes and "pp" in self.axes:
+        # The residual stream varies over 'tp' in a stage (pipeline_loss's
+        # activations vary over every input axis), so each sum is typed
+        # varying, and its gradient's sum is a future of the stream's too.
+        return chunked_stream(x, w, "tp")
       if "fsdp" in self.axes:
         return jax_overlap.fsdp_scan(layer, x, w, axis="fsdp",
                                      shard_dims=self._shard_dims(w),

@@ -322,6 +322,17 @@ def test_several_all_to_all_forms_on_v5p_are_finished_at_once():
   assert any("aborts on some programs" in m for m in warned), warned
 
 
+def _sum_beside_two_matmuls(to):
+  """An ordered block: psum_start(x, "x", to=to), two matmuls, done()."""
+  @program_order(enforce=True)
+  def body(x, w):
+    future = jax_overlap.psum_start(x, "x", to=to)
+    y = jnp.tanh(w @ w)
+    y = jnp.tanh(y @ w)
+    return future.done(), y
+  return body
+
+
 @needs_pairs
 @pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
 def test_psum_start_ring_halves_each_hide_behind_a_matmul(name):
@@ -332,13 +343,7 @@ def test_psum_start_ring_halves_each_hide_behind_a_matmul(name):
   # second. Without the move the all-gather starts at done(), its window
   # empty.
   t = target(name)
-
-  @program_order(enforce=True)
-  def body(x, w):
-    future = jax_overlap.psum_start(x, "x")
-    y = jnp.tanh(w @ w)
-    y = jnp.tanh(y @ w)
-    return future.done(), y
+  body = _sum_beside_two_matmuls("invarying")
 
   def f(x, w):
     a, y = body(x, w)
@@ -350,4 +355,38 @@ def test_psum_start_ring_halves_each_hide_behind_a_matmul(name):
             "tpu_v5p": [("collective-permute", 1)] * (2 * (N - 1))}
   assert [(w.kind, w.matmuls) for w in windows] == halves[name], windows
   assert sent_bytes(text) == 2 * (N - 1) / N * 8 * 16 * 4
+  assert not warned, warned
+
+
+@needs_pairs
+@pytest.mark.parametrize("name", ["tpu_v5e", "tpu_v5p"])
+def test_varying_psum_backward_halves_are_async(name):
+  # psum_start(to="varying") under value_and_grad, two matmuls in the
+  # window: the forward's halves each behind one, as above, and the
+  # cotangent's sum too (its transpose, transposed_forms.py): on v5e the
+  # reduce-scatter half in its TPU form (an all-to-all whose buffer rides in
+  # the forward all-gather's in-flight slot) and the all-gather half (the
+  # forward all-gather is its form there, an all-to-all of copies, for that
+  # buffer); on v5p 2 x 7 permutes each way. Nothing synchronous, nothing
+  # said: a plain psum_start with the cast after it leaves the cotangent's
+  # sum a synchronous all-reduce.
+  t = target(name)
+  body = _sum_beside_two_matmuls("varying")
+
+  def f(x, w, r):
+    a, y = body(x, w)
+    return jax.lax.psum(jnp.sum(jnp.tanh(a + r)) + y.sum(), "x")
+  fn = jax.value_and_grad(jax.shard_map(
+      f, mesh=t.mesh, in_specs=(P("x"), P(), P("x")), out_specs=P()),
+      argnums=(0, 1))
+  text, warned = _compile(fn, (arg(t, (64, 16), P("x")), arg(t, (16, 16)),
+                               arg(t, (64, 16), P("x"))))
+  windows = [(w.kind, w.matmuls > 0) for w in schedule.windows(text)
+             if w.kind != "slice"]
+  halves = {"tpu_v5e": [("all-to-all", True), ("all-to-all", True),
+                        ("all-to-all", True), ("all-gather", True)],
+            "tpu_v5p": [("collective-permute", True)] * (4 * (N - 1))}
+  assert windows == halves[name], windows
+  assert not re.search(r"= [^\n]*\ball-reduce\([^\n]*op_name=\"[^\"]*collective",
+                       text)
   assert not warned, warned

@@ -1,6 +1,7 @@
 """Every public function in every mode users call it in: one matrix.
 
-Rows are the public APIs (the six `*_start` collectives and `program_order`
+Rows are the public APIs (the six `*_start` collectives, psum_start also with
+`to="varying"`, and `program_order`
 around them); columns are the calling modes (eager shard_map, jit, each
 autodiff entry point with and without jit, vmap inside and around shard_map,
 checkpoint, scan and fori_loop bodies, nested shard_maps, explicit-sharding
@@ -31,6 +32,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_overlap as jo
+from jax_overlap._src import _compat
 from jax_overlap import FutureNotFinishedError, FutureNotFinishedWarning
 
 from ragged_reference import dense_reference
@@ -49,6 +51,9 @@ APIS = {
                    lambda v: lax.all_gather(v, "i", tiled=True), P("i"), P("i")),
     "psum": (lambda v: jo.psum_start(v, "i"), lambda v: lax.psum(v, "i"),
              P("i"), P()),
+    # typed varying over "i": its gradient's sum a future too
+    "psum_varying": (lambda v: jo.psum_start(v, "i", to="varying"),
+                     lambda v: _varying_psum(v), P("i"), P("i")),
     "psum_scatter": (lambda v: jo.psum_scatter_start(v, "i", tiled=True),
                      lambda v: lax.psum_scatter(v, "i", tiled=True),
                      P("i"), P("i")),
@@ -65,6 +70,17 @@ APIS = {
                                     *_ragged_tables()[:3]),
         P("i"), P("i")),
 }
+
+
+def _varying_psum(v):
+  """`lax.psum` cast back to vary over "i" where this trace types values by
+  the mesh axes they vary over (a vmap axis or check_vma=False: no cast)."""
+  y = lax.psum(v, "i")
+  have = _compat.varying_axes(y)
+  mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+  if have is None or "i" in have or "i" not in mesh_axes:
+    return y
+  return lax.pcast(y, "i", to="varying")
 
 
 # Device 0 sends row 0 to itself and rows 1-2 to device 1; device 1 sends

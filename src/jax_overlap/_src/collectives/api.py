@@ -28,9 +28,12 @@ traceback_util.register_exclusion(__file__)
 
 
 def _start_future(name: str, fn, x, params=None, *, aux=(),
-                  cpu_fn=None, sync_note=None, second_half=False) -> Future:
+                  cpu_fn=None, sync_note=None, second_half=False,
+                  form_anyway=False, first_half=False) -> Future:
   """The future of `fn(x, *aux)`; `cpu_fn` computes the same where XLA:CPU
-  cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`."""
+  cannot run `fn`'s collective; `sync_note` as `Comm.sync_note`;
+  `form_anyway`: its TPU form whether or not this TPU wants it;
+  `first_half`, `second_half`: as `Comm`'s."""
   where = user_frame()
   try:
     if not isinstance(x, (jax.Array, core.Tracer)):
@@ -45,14 +48,16 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
   composed = _permute_forms.compose(name, params, x, where)
   if composed is not None:
     return composed
-  form = None if params is None else _tpu_forms.trace_form(name, params, x)
+  form = None if params is None else _tpu_forms.trace_form(
+      name, params, x, anyway=form_anyway)
   if form is None:
     composed = _major_dim.compose(name, params, x, where, jaxpr.out_avals[0],
                                   _along_major)
     if composed is not None:
       return composed
   state = FutureState(name, where)
-  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note, second_half)
+  comm = Comm(name, jaxpr, state, form, cpu_jaxpr, sync_note, second_half,
+              params, first_half)
   in_flight, operand = start(comm, x, *aux)
   return Future(in_flight, operand, state,
                 functools.partial(_finish_future, comm, tuple(aux)))
@@ -118,15 +123,47 @@ def all_gather_start(x, axis_name, *, axis: int = 0, tiled: bool = False,
                        dict(axis_name=axis_name, axis=axis, tiled=tiled, to=to))
 
 
-def psum_start(x, axis_name) -> Future:
+_PSUM_TO = ("invarying", "varying")
+
+
+def psum_start(x, axis_name, *, to: str = "invarying") -> Future:
   """Starts `jax.lax.psum(x, axis_name)`; returns its `Future`.
+
+  `to` says how the sum is typed, as `matmul_psum`'s `to=` does:
+
+  * "invarying" (the default): as `psum` types it, invariant over the
+    axis. Its gradient needs no collective (psum's transpose).
+  * "varying": typed varying over the axis (every device holds the same
+    sum), `jax.lax.pcast(psum(x), axis_name, to="varying")`, as a residual
+    stream that varies over the axis needs it. The cast's transpose, the
+    sum of the cotangent, is then this future's too: under `jax.grad` the
+    backward pass starts that sum where the forward `done()` was and
+    finishes it where the forward start was, so inside
+    `program_order(enforce=True)` the backward's sum is in flight across
+    the backward of the work written between them, as the forward's is
+    (without it, jax's transpose of the cast is a `psum` run whole there).
+    On TPU the sum and its cotangent's are each a reduce-scatter then an
+    all-gather (ring_psum.py), every half in its async TPU form (the
+    forward all-gather an all-to-all of copies, so that the cotangent's
+    reduce-scatter form can ride in its slot: transposed_forms.py), and in
+    an ordered block each half of either is placed beside half of the
+    window's matmuls.
+
+  Values and gradients equal `jax.lax.psum`'s, followed by the cast with
+  `to="varying"` (tests/collectives/psum_varying_test.py, and in every mode
+  tests/integration/modes_test.py; the order on the GPU compiler's
+  lowering: test_backward_sum_is_in_flight_across_the_backward_matmul; on
+  the TPU compiler: tests/aot/tpu_forms_compiled_test.py::
+  test_varying_psum_backward_halves_are_async).
 
   Args:
     x: the array to sum, inside `jax.shard_map` (or a named `vmap`).
     axis_name: the mesh axis name (or tuple of names) to sum over.
+    to: "invarying" (the default) or "varying", as above.
 
   Returns:
-    A `Future`; its `done()` returns exactly `jax.lax.psum`'s value.
+    A `Future`; its `done()` returns exactly `jax.lax.psum`'s value, typed
+    as `to` says.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -140,19 +177,63 @@ def psum_start(x, axis_name) -> Future:
     ...   return jax_overlap.psum_start(x, 'i').done()
     >>> f(jnp.arange(4.0))
     Array([2., 4.], dtype=float32)
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P('i'), out_specs=P('i'))
+    ... def g(x):   # the sum, typed varying: one copy per device
+    ...   return jax_overlap.psum_start(x, 'i', to='varying').done()
+    >>> g(jnp.arange(4.0))
+    Array([2., 4., 2., 4.], dtype=float32)
   """
   check_axis_name("psum", axis_name)
-  composed = _ring_psum.compose(x, axis_name, user_frame(), _scatter_part,
-                                _gather_part)
+  if to not in _PSUM_TO:
+    raise ValueError(
+        f"psum_start(to={to!r}): 'invarying' (typed as psum's result) or "
+        "'varying' (typed varying over the axis, its gradient's sum a "
+        "future too).")
+  varying = to == "varying"
+  composed = _ring_psum.compose(
+      x, axis_name, user_frame(),
+      _scatter_first_half if varying else _scatter_part,
+      _gather_varying if varying else _gather_part)
   if composed is not None:
     return composed
-  fn = lambda v: jax.lax.psum(v, axis_name)
-  return _start_future("psum", fn, x, dict(axis_name=axis_name))
+  if varying:
+    fn = lambda v: _varying_sum(v, axis_name)
+  else:
+    fn = lambda v: jax.lax.psum(v, axis_name)
+  return _start_future("psum", fn, x, dict(axis_name=axis_name, to=to))
+
+
+def _varying_sum(v, axis_name):
+  """`psum(v)` cast back to vary over `axis_name`'s mesh axes (those of
+  them it does not vary over already: a positional or vmap axis is none)."""
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  y = jax.lax.psum(v, axis_name)
+  have = _compat.varying_axes(y)
+  if have is None:   # check_vma=False: no types to cast, psum transposes to psum
+    return y
+  missing = tuple(n for n in names
+                  if n in _ring_psum.mesh_axes() and n not in have)
+  return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
 def _scatter_part(flat, axis):
   """The reduce-scatter half of `psum_start`'s ring form (ring_psum.py)."""
   return psum_scatter_start(flat, axis, tiled=True)
+
+
+def _scatter_first_half(flat, axis):
+  """The reduce-scatter half of `psum_start(to="varying")`'s ring form,
+  its parts `Comm.first_half`: the cotangent's all-gather, their
+  transpose, is then a second half, placed by an ordered block inside the
+  cotangent's reduce-scatter window (ring_psum.advance_second_halves)."""
+  params = dict(axis_name=axis, scatter_dimension=0, tiled=True)
+  composed = _permute_forms.compose("psum_scatter", params, flat, user_frame(),
+                                    first_half=True)
+  if composed is not None:
+    return composed
+  fn = lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=0, tiled=True)
+  return _start_future("psum_scatter", fn, flat, params, first_half=True)
 
 
 def _gather_part(chunk, axis):
@@ -166,6 +247,26 @@ def _gather_part(chunk, axis):
     return composed
   return _start_future("all_gather", lambda v: _ring_psum.gather_invariant(v, axis),
                        chunk, second_half=True)
+
+
+def _gather_varying(chunk, axis):
+  """The all-gather half of `psum_start(to="varying")`'s ring form, varying
+  over `axis` as the sum's type says there: where the all-gather is not
+  permutes (v5p; v5e with jax < 0.12: permute_forms.py), its TPU form, an
+  all-to-all of N copies of the chunk as (1, 1, c) (a ring all-gather's
+  bytes), whose buffer (N, 1, c) is that of its transpose's form, a
+  reduce-scatter, so that the cotangent's sum is async too
+  (transposed_forms.py). A plain all-gather on TPU is gathered flat
+  (major_dim.py), and its rank-1 flight is no such buffer."""
+  params = dict(axis_name=axis, axis=0, tiled=True)
+  composed = _permute_forms.compose("all_gather", params, chunk, user_frame(),
+                                    second_half=True)
+  if composed is not None:
+    return composed
+  fn = lambda v: jax.lax.all_gather(v, axis, tiled=True)
+  return _start_future("all_gather", fn, chunk.reshape(1, 1, -1),
+                       dict(params, to=None), second_half=True,
+                       form_anyway=True)
 
 
 def psum_scatter_start(x, axis_name, *, scatter_dimension: int = 0,

@@ -26,6 +26,7 @@ from jax._src import core
 from jax._src.interpreters import ad
 
 from jax_overlap._src import _compat
+from jax_overlap._src.collectives import transposed_forms
 from jax_overlap._src.collectives.comm import Comm, transposed
 from jax_overlap._src.collectives.primitives import (
     collective_done_p, collective_start_p, finish, start)
@@ -61,6 +62,16 @@ ad.primitive_jvps[collective_done_p] = _done_jvp
 def _done_transpose(ct, in_flight, *operand, comm):
   operand, aux = operand[:1], operand[1:]
   no_aux = [None] * len(aux)
+  flight_aval = _aval(in_flight).to_tangent_aval()
+  zero_operand = [ad_util.Zero(_aval(operand[0]).to_tangent_aval())] \
+      if operand else []
+  if _in_flight_slot(comm):
+    # The transposed collective's TPU form, whose buffer has the in-flight
+    # value's type, carried in that slot (transposed_forms.py).
+    if type(ct) is ad_util.Zero:
+      return [ad_util.Zero(flight_aval), *zero_operand, *no_aux]
+    t_flight, _ = start(_transposed_of(comm, ct, aux), ct, *aux)
+    return [t_flight, *zero_operand, *no_aux]
   if not operand:
     # The operand slot was lost at a boundary: pass the cotangent through
     # (through the TPU form's done, if any), and the start's transpose runs
@@ -68,10 +79,8 @@ def _done_transpose(ct, in_flight, *operand, comm):
     if comm.tpu_form is not None:
       return [_backward(comm.tpu_form.done, ct)]
     return [ct]
-  flight_aval = _aval(in_flight).to_tangent_aval()
   if type(ct) is ad_util.Zero:
-    return [ad_util.Zero(flight_aval),
-            ad_util.Zero(_aval(operand[0]).to_tangent_aval()), *no_aux]
+    return [ad_util.Zero(flight_aval), *zero_operand, *no_aux]
   # Start the transposed collective here, where the forward one finished.
   t_flight, _ = start(_transposed_of(comm, ct, aux), ct, *aux)
   return [ad_util.Zero(flight_aval), t_flight, *no_aux]
@@ -100,13 +109,28 @@ def _transposed_of(comm: Comm, ct=None, aux=()) -> Comm:
     if ct is None:
       ct = ad.instantiate_zeros(ad_util.Zero(comm.out_aval.to_tangent_aval()))
     t_comm = table[key] = transposed(comm, ct, aux)
+    t_comm.tpu_form = transposed_forms.form_in_flight_slot(comm, t_comm, ct)
   return t_comm
+
+
+def _in_flight_slot(comm: Comm) -> bool:
+  """Whether `comm`'s transposed future rides in the in-flight slot, with
+  its TPU form (transposed_forms.py), instead of the operand slot."""
+  if comm.params is None or comm.name not in ("psum", "all_gather"):
+    return False
+  return _transposed_of(comm).tpu_form is not None
 
 
 def _start_transpose(cts, x, *aux, comm):
   del x
   no_aux = [None] * len(aux)
   ct_flight, ct_operand = cts
+  if _in_flight_slot(comm):
+    # The transposed collective is in flight in the in-flight slot since
+    # the forward done (or across a boundary that dropped the operand slot).
+    if type(ct_flight) is ad_util.Zero:
+      return [ad_util.Zero(comm.in_aval.to_tangent_aval()), *no_aux]
+    return [finish(ct_flight, None, _transposed_of(comm, None, aux)), *no_aux]
   total = None
   if type(ct_operand) is not ad_util.Zero:
     # The transposed collective is in flight since the forward done: end it

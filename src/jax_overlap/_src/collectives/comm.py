@@ -40,6 +40,12 @@ class Comm:
       is the first half's result (`ring_psum.py`'s all-gather): an ordered
       block lowers it, with the first half's done, inside the first half's
       window (`ring_psum.advance_second_halves`).
+    first_half: the start of a collective's first half whose transpose is
+      a second half (`psum_start(to="varying")`'s reduce-scatter: the
+      cotangent's all-gather follows the cotangent's reduce-scatter).
+    params: the `jax.lax` call's keyword arguments (axis_name, ...), where
+      the start gave them; what `transposed_forms.py` reads to choose the
+      TPU form of the transposed collective. None elsewhere.
     sync_note: for a ragged all-to-all (synchronous on GPU and TPU), what to
       say instead of the generic `CollectiveNotAsyncWarning`: a message with
       `{platform}` in it, said once per platform; None for the generic one.
@@ -50,12 +56,15 @@ class Comm:
   """
 
   __slots__ = ("name", "jaxpr", "state", "tpu_form", "cpu_jaxpr",
-               "sync_note", "second_half")
+               "sync_note", "second_half", "params", "first_half")
 
   def __init__(self, name: str, jaxpr, state: FutureState, tpu_form=None,
                cpu_jaxpr=None, sync_note: str | None = None,
-               second_half: bool = False):
+               second_half: bool = False, params: dict | None = None,
+               first_half: bool = False):
     self.second_half = second_half
+    self.first_half = first_half
+    self.params = params
     self.name = name
     self.jaxpr = jaxpr
     self.state = state
@@ -127,7 +136,8 @@ def transposed(comm: Comm, ct, aux=()) -> Comm:
   return Comm(_TRANSPOSED_NAME.get(comm.name, comm.name),
               trace_sync(_transpose_of(comm.jaxpr, comm.in_aval), ct, *aux),
               FutureState(comm.name + "_transpose", comm.state.where,
-                          internal=True), cpu_jaxpr=cpu)
+                          internal=True), cpu_jaxpr=cpu,
+              second_half=comm.first_half)
 
 
 _TRANSPOSED_NAME = {"all_gather": "psum_scatter", "psum_scatter": "all_gather",

@@ -98,13 +98,14 @@ def _mesh_axes() -> tuple:
     return ()
 
 
-def _shift(x, axis, n, k, name, where, second_half=False):
+def _shift(x, axis, n, k, name, where, second_half=False, first_half=False):
   """The ppermute future of `x` to the device `k` further along `axis`,
   reported (if never finished) as the future of `name`."""
   perm = tuple((j, (j + k) % n) for j in range(n))
   jaxpr = trace_sync(lambda v: lax.ppermute(v, axis, perm), x)
   state = FutureState(name, where)
-  comm = Comm("ppermute", jaxpr, state, second_half=second_half)
+  comm = Comm("ppermute", jaxpr, state, second_half=second_half,
+              first_half=first_half)
   in_flight, operand = start(comm, x)
   return Future(in_flight, operand, state,
                 lambda value, operand: finish(value, operand, comm))
@@ -144,14 +145,15 @@ def _summed(d, tiled, own, parts):
 
 
 def compose(name: str, params: dict, x, where: str, *, invariant=False,
-            second_half=False) -> Future | None:
+            second_half=False, first_half=False) -> Future | None:
   """The future of collective `name` (with the `jax.lax` call's `params`)
   on `x`, made of permutes; None where this form is not used (another
   platform, several or positional axes, a shape it cannot split).
   `invariant`: a tiled all-gather along axis 0 whose result is typed
   invariant over the axis, as `_compat.all_gather_invariant`'s
   (`gathered_invariant`); `second_half`: its parts are `Comm.second_half`
-  starts (ring_psum.py's all-gather half)."""
+  starts (ring_psum.py's all-gather half); `first_half`: `Comm.first_half`
+  (the reduce-scatter half of psum_start(to="varying")'s ring)."""
   if params is None or not wanted(name):
     return None
   bound = one_bound_axis(params.get("axis_name"))
@@ -169,7 +171,7 @@ def compose(name: str, params: dict, x, where: str, *, invariant=False,
     reference = lambda v: _compat.all_gather_invariant(v, axis)
   out_aval = trace_sync(reference, x).out_avals[0]
   shift = functools.partial(_shift, axis=axis, n=n, name=name, where=where,
-                            second_half=second_half)
+                            second_half=second_half, first_half=first_half)
   if name == "all_gather":
     tiled = params["tiled"]
     if params.get("to") is not None or (tiled and x.ndim == 0):

@@ -59,7 +59,8 @@ source_info_util.register_exclusion(__file__)
 traceback_util.register_exclusion(__file__)
 
 
-def _mesh_axes() -> tuple:
+def mesh_axes() -> tuple:
+  """The names of the current abstract mesh's axes; () where none."""
   try:
     return tuple(jax.sharding.get_abstract_mesh().axis_names)
   except Exception:  # noqa: BLE001 - no mesh: none
@@ -102,7 +103,7 @@ def is_ring(x, axis_name) -> bool:
   if bound is None:
     return False
   axis, n = bound
-  if not tpu_forms.is_forced() and axis not in _mesh_axes():
+  if not tpu_forms.is_forced() and axis not in mesh_axes():
     return False   # a vmap axis: the plain future
   size = math.prod(x.shape)
   return bool(jnp.issubdtype(x.dtype, jnp.number)) and 2 * -(-size // n) < size
@@ -112,7 +113,7 @@ def _gathered(axis, shape, gather_start, kept, parts):
   del kept
   (chunk,) = parts
   whole = gather_start(chunk, axis).done()
-  return whole[:math.prod(shape)].reshape(shape)
+  return whole.reshape(-1)[:math.prod(shape)].reshape(shape)
 
 
 def gather_invariant(chunk, axis):
@@ -177,16 +178,56 @@ def _midpoint(eqns, first: int, until: int) -> int:
   return first + 1 + len(window) // 2
 
 
+def _moved_down(eqns, first: int, until: int, chain: list):
+  """`eqns` with the `chain` (from a first half's dones, the first at
+  `until`, to its second half's starts; the first half started at `first`)
+  moved down into the second half's window, where more matmuls are written
+  there than in the first half's: after as many of them as make the first
+  half's window hold half of both windows' matmuls (rounded up). So a
+  transposed ring is split as a forward one is: the cotangent's
+  reduce-scatter starts and ends where the forward all-gather did, both at
+  the forward's done(), and the backward's work lies in the all-gather's
+  window. None where the second half's window holds no more matmuls than
+  the first's (every forward ring: its second half ends at done()), or
+  where something before that point reads what the chain makes."""
+  members = set(chain)
+  last = max(chain)
+  started = {eqns[k].outvars[0] for k in chain
+             if eqns[k].primitive.name == "collective_start"}
+  ends = [k for k in range(last + 1, len(eqns))
+          if eqns[k].primitive.name == "collective_done"
+          and eqns[k].invars and eqns[k].invars[0] in started]
+  if not ends:
+    return None
+  up = [k for k in range(first + 1, until) if _has_matmul(eqns[k])]
+  down = [k for k in range(last + 1, min(ends)) if _has_matmul(eqns[k])]
+  if len(down) <= len(up):
+    return None
+  to = down[(len(up) + len(down) + 1) // 2 - len(up) - 1]
+  made = {v for k in chain for v in eqns[k].outvars}
+  if any(isinstance(v, core.Var) and v in made
+         for k in range(until, to + 1) if k not in members
+         for v in eqns[k].invars):
+    return None
+  kept = [(k, e) for k, e in enumerate(eqns) if k not in members]
+  at = sum(1 for k, _ in kept if k <= to)
+  rest = [e for _, e in kept]
+  return rest[:at] + [eqns[k] for k in chain] + rest[at:]
+
+
 def advance_second_halves(jaxpr):
   """`jaxpr` with each second half's start (`Comm.second_half`), and the
   equations from the first half's done that make its operand, moved up into
   the first half's window: after half of the matmuls written there. So in an
   ordered block both halves of psum_start's ring form are in flight
   (tests/aot/tpu_forms_compiled_test.py::
-  test_psum_start_ring_halves_each_hide_behind_a_matmul). Equations are only
-  moved up, and only ones every input of which is ready there; the starts
-  of one second half's parts (its N-1 permutes) move together; a jaxpr with
-  no such start is returned as it is."""
+  test_psum_start_ring_halves_each_hide_behind_a_matmul). Equations are
+  moved up only where every input of theirs is ready there; the starts of
+  one second half's parts (its N-1 permutes) move together; a jaxpr with no
+  such start is returned as it is. Where the second half's window holds more
+  matmuls than the first's (the transpose of psum_start(to="varying")'s
+  ring) the chain moves down instead (`_moved_down`;
+  test_varying_psum_backward_halves_are_async)."""
   eqns = list(jaxpr.eqns)
   starts = [k for k, e in enumerate(eqns)
             if e.primitive.name == "collective_start"
@@ -209,6 +250,10 @@ def advance_second_halves(jaxpr):
     producer = {v: k for k, e in enumerate(eqns) for v in e.outvars
                 if not isinstance(v, core.DropVar)}
     until = min(k for k in chain if eqns[k].primitive.name == "collective_done")
+    down = _moved_down(eqns, first, until, chain)
+    if down is not None:
+      eqns = down
+      continue
     m = _midpoint(eqns, first, until)
     if m >= until:
       continue

@@ -174,11 +174,12 @@ def _all_to_all(axis, n, s, k, tiled, x):
   return start, done
 
 
-def trace_form(name: str, params: dict, x) -> Form | None:
+def trace_form(name: str, params: dict, x, *, anyway: bool = False) -> Form | None:
   """The TPU form of collective `name` (with the `jax.lax` call's `params`)
   on a value like `x`, traced here; None where there is none (several or
-  positional axes, a shape the exchange cannot split)."""
-  if not wanted(name):
+  positional axes, a shape the exchange cannot split), or where this TPU
+  does not want it (`wanted`) and not `anyway`."""
+  if not (anyway or wanted(name)):
     return None
   try:
     return _trace_form(name, params, x)
