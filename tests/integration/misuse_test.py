@@ -548,7 +548,7 @@ MISUSES = [
      ValueError, r"pipeline_stage_layout\(schedule='zbv'\): expected None or one of"),
     ("pipeline-layout-zb-v", "pipeline_stage_layout(schedule='zb-v') of other than 2p stages",
      lambda: jo.pipeline_stage_layout(jnp.ones((6, 4)), 2, schedule="zb-v"),
-     ValueError, r"ZB-V's V holds 2 stages a device, 2\*stages=4"),
+     ValueError, r"the V \(ZB-V, DualPipeV\) holds 2 stages a device, 2\*stages=4"),
     # --- ring_attention, ulysses_attention, to_layout -------------------------------------
     ("attention-rank", "q of 3 dimensions (no heads axis)",
      lambda: _attention(jo.ring_attention, q=(1, 8, 64)), ValueError,

@@ -211,6 +211,29 @@ def test_dualpipev_ticks_bubble_and_peak(p, k):
              for o in plan.device_orders() for _, c in o if isinstance(c, Pair))
 
 
+@pytest.mark.parametrize("p,k", list(itertools.product((2, 4, 8), (2, 3))))
+def test_dualpipev_idle_is_the_dualpipe_readmes(p, k):
+  """With an F&B cell that overlaps (simulate's forward_backward below
+  F + B), the most idle device idles (PP/2-1)(F&B + B - 3W), PP = 2p
+  stages, the DualPipe README's bubble, wherever a backward's input half
+  costs a forward (I = F); where it does not, this table's differs (p=8,
+  F=1, I=1.5, W=0.5, F&B=2.5: 20 against 21)."""
+  m = k * p
+  plan = pipeline_schedule("dualpipev", p, m, 2, send_ticks=0)
+  for f, i, w, fb in ((1, 1, 1, 3), (1, 1, 1, 2.5), (1, 1, 1, 2), (1, 1, 0.5, 2)):
+    sim = plan.simulate(f, i, w, forward_backward=fb)
+    cost = {F: f, I: i, W: w, B: i + w}
+    busy = [sum(fb if isinstance(c, Pair) else cost[c.kind] for _, c in o)
+            for o in plan.device_orders()]
+    assert sim.makespan - min(busy) == pytest.approx((p - 1) * (fb + i + w - 3 * w))
+    assert sim.bubble_fraction == pytest.approx(1 - sum(busy) / (p * sim.makespan))
+  sim = plan.simulate(1, 1.5, 0.5, forward_backward=2.5)
+  busy = [sum(2.5 if isinstance(c, Pair) else {F: 1, I: 1.5, W: 0.5, B: 2}[c.kind]
+              for _, c in o) for o in plan.device_orders()]
+  if p == 8:
+    assert (sim.makespan - min(busy), 7 * (2.5 + 2 - 1.5)) == (20, 21)
+
+
 def test_dualpipev_print():
   """An F&B cell prints as its two parts joined by '+'."""
   plan = pipeline_schedule("dualpipev", 2, 4, 2, send_ticks=0)

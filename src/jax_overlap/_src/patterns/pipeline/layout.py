@@ -59,8 +59,9 @@ def pipeline_stage_layout(stacked, stages: int, *, inverse: bool = False,
       return a.reshape((v, stages) + rest).swapaxes(0, 1).reshape(a.shape)
     if v != 2:
       raise ValueError(f"pipeline_stage_layout(schedule={schedule!r}): a "
-                       f"leaf's leading axis is {n}; ZB-V's V holds 2 "
-                       f"stages a device, 2*stages={2 * stages}.")
+                       f"leaf's leading axis is {n}; the V (ZB-V, "
+                       f"DualPipeV) holds 2 stages a device, "
+                       f"2*stages={2 * stages}.")
     # row k of the laid-out stack is chunk k % v of device k // v
     order = np.array([global_stage(k // v, k % v, stages, placement)
                       for k in range(n)])

@@ -94,11 +94,12 @@ class PipelinePlan:
     return "\n".join(lines)
 
   def simulate(self, forward: float = 1.0, backward_input: float = 1.0,
-               backward_weight: float = 1.0, send: float | None = None
-               ) -> Simulation:
+               backward_weight: float = 1.0, send: float | None = None,
+               forward_backward: float | None = None) -> Simulation:
     """Times each device's actions, in the table's order, under these costs
-    (B costs backward_input + backward_weight, a Pair its two parts' sum;
-    `send` is a stage-to-stage
+    (B costs backward_input + backward_weight; a Pair, DualPipeV's F&B
+    cell, `forward_backward`, by default its two parts' sum, less where the
+    two overlap; `send` is a stage-to-stage
     transfer's time, `send_ticks` by default). Returns the makespan, the
     bubble fraction and each device's peak live activations (a microbatch's
     activations on a chunk are live from its F's start to the end of its B,
@@ -119,11 +120,13 @@ class PipelinePlan:
         for key, dev in _cell_deps(cell, d, self.stages, self.virtual_stages,
                                    self.placement):
           start = max(start, finish[key] + (send if dev != d else 0.0))
-        end = start + sum(cost[a.kind] for a in acts)
+        paired = len(acts) == 2 and forward_backward is not None
+        end = start + (forward_backward if paired
+                       else sum(cost[a.kind] for a in acts))
         free[d] = end
+        busy[d] += end - start
         for a in acts:
           finish[_key(a, d, self.stages, self.placement)] = end
-          busy[d] += cost[a.kind]
           span = spans[d].setdefault((a.microbatch, a.chunk), [start, end])
           if a.kind in (B, W):
             span[1] = end
