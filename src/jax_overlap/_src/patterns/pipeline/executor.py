@@ -225,7 +225,7 @@ def _switch_tick(tick, work, operands, me):
           fwd = f
         else:
           bwd = g
-      return work._out(state, fwd, bwd)
+      return work.out(state, fwd, bwd)
     return run
 
   fns = [branch(*c) for c in present]
@@ -246,7 +246,7 @@ def _lockstep_tick(tick, work, operands, me):
   picks = [_picks(tick, 0, me)] + ([_picks(tick, 1, me)] if tick.second else [])
   sent_back = None
   for kind in kinds:
-    # which part of each device's cell is of this kind (0 where none)
+    # which part of each device's cell is of this kind (None: none)
     part = [next((k for k, v in enumerate(vs) if v[0] == kind), None)
             for vs in per_device]
     of = [vs[k] if k is not None else None for vs, k in zip(per_device, part)]
