@@ -74,7 +74,8 @@ def permute_windows(text):
   return pairs, computing
 
 
-CASES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)]
+CASES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2),
+         ("dualpipev", 2)]
 
 
 @pytest.mark.slow

@@ -470,7 +470,7 @@ MISUSES = [
     ("pipeline-schedule", "schedule='pipedream' (not a schedule)",
      lambda: _pipeline(schedule="pipedream"), ValueError,
      r"schedule='pipedream': expected one of \('gpipe', '1f1b', 'interleaved', "
-     r"'zb-h1', 'zb-v'\)"),
+     r"'zb-h1', 'zb-v', 'dualpipev'\)"),
     ("pipeline-stage-params", "stage_params without a leading axis of virtual_stages",
      lambda: _pipeline(schedule="interleaved", virtual_stages=2), ValueError,
      r"stage_params has shape \(1, 4, 4\) inside shard_map: its leading axis must "
@@ -497,6 +497,16 @@ MISUSES = [
      lambda: _pipeline(schedule="zb-v"), ValueError,
      r"schedule='zb-v' runs two chunks a device on a V \(device d holds stages d "
      r"and 2p-1-d\): got virtual_stages=1; pass virtual_stages=2"),
+    ("pipeline-dualpipev-chunks", "schedule='dualpipev' without virtual_stages=2",
+     lambda: _pipeline(schedule="dualpipev"), ValueError,
+     r"schedule='dualpipev' runs two chunks a device on a V \(device d holds "
+     r"stages d and 2p-1-d\): got virtual_stages=1; pass virtual_stages=2"),
+    ("pipeline-dualpipev-microbatches", "schedule='dualpipev' with fewer than 2p microbatches",
+     lambda: _pipeline(w=jnp.ones((4, 4, 4)), xs=jnp.ones((3, 2, 4)),
+                       ts=jnp.zeros((3, 2, 4)), schedule="dualpipev",
+                       virtual_stages=2), ValueError,
+     r"schedule='dualpipev' needs microbatches >= 2 \* stages \(got "
+     r"microbatches=3, stages=2\)"),
     ("pipeline-interleaved-m", "schedule='interleaved' with microbatches not a multiple of stages",
      lambda: _pipeline(w=jnp.ones((4, 4, 4)), xs=jnp.ones((3, 2, 4)),
                        ts=jnp.zeros((3, 2, 4)), schedule="interleaved",
@@ -538,7 +548,7 @@ MISUSES = [
      ValueError, r"pipeline_stage_layout\(schedule='zbv'\): expected None or one of"),
     ("pipeline-layout-zb-v", "pipeline_stage_layout(schedule='zb-v') of other than 2p stages",
      lambda: jo.pipeline_stage_layout(jnp.ones((6, 4)), 2, schedule="zb-v"),
-     ValueError, r"ZB-V's V holds 2 stages a device, 2\*stages=4"),
+     ValueError, r"the V \(ZB-V, DualPipeV\) holds 2 stages a device, 2\*stages=4"),
     # --- ring_attention, ulysses_attention, to_layout -------------------------------------
     ("attention-rank", "q of 3 dimensions (no heads axis)",
      lambda: _attention(jo.ring_attention, q=(1, 8, 64)), ValueError,

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src.patterns.pipeline import buffers, plan as plan_lib
+from jax_overlap._src.patterns.pipeline.actions import B, I, Pair, parts
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
 from pipeline_model import (mesh, model, mse, pipelined_loss, sequential_loss,
                             stage)
@@ -23,6 +24,8 @@ def _grid():
     yield "interleaved", p, k * p, 2
   for p, m in ((2, 4), (2, 3), (4, 8), (4, 6)):   # m = 2p and one not a multiple
     yield "zb-v", p, m, 2
+  for p in (2, 4):   # DualPipeV needs m >= 2p
+    yield "dualpipev", p, 2 * p, 2
 
 
 def _check(loss, ref, params, xs, ts):
@@ -40,6 +43,7 @@ def _check(loss, ref, params, xs, ts):
     "test_values_and_gradients[gpipe-2-4-1]", "test_values_and_gradients[1f1b-4-4-1]",
     "test_values_and_gradients[zb-h1-2-6-1]",
     "test_values_and_gradients[zb-v-2-3-2]",
+    "test_values_and_gradients[dualpipev-2-4-2]",
     "test_values_and_gradients[interleaved-2-4-2]"])
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,v", list(_grid()))
@@ -50,7 +54,7 @@ def test_values_and_gradients(schedule, p, m, v):
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
-                                        ("zb-v", 2)])
+                                        ("zb-v", 2), ("dualpipev", 2)])
 def test_waiting_sends_give_the_same(schedule, v):
   params, xs, ts = model(2 * v, 4)
   _check(pipelined_loss(2, schedule=schedule, virtual_stages=v, send_ticks=0),
@@ -149,6 +153,36 @@ def test_zb_v_sends_each_way_and_turns_on_the_device():
                           len(remote), params, xs, ts) >= len(computing)
 
 
+@pytest.mark.slow
+def test_dualpipev_pairs_run_both_parts_in_one_tick():
+  """An F&B cell: the program's tick holds the Pair's backward beside its
+  forward (Tick.second), each with its own microbatch, chunk and row; at
+  p=4, m=8 one tick holds a B on one device and an I on another, which
+  lockstep runs as two slots, each device sending back its own. Values and
+  gradients equal the sequential model's in lockstep (the grid runs
+  switch)."""
+  p, m = 4, 8
+  plan = plan_lib.pipeline_schedule("dualpipev", p, m, 2)
+  prog = buffers.program(plan)
+  paired = [t for t, tick in enumerate(prog.ticks) if tick.second]
+  assert paired and all(
+      any(isinstance(c, Pair) for c in plan.table[t]) for t in paired)
+  for t in paired:
+    tick = prog.ticks[t]
+    for d, c in enumerate(plan.table[t]):
+      if isinstance(c, Pair):
+        assert tick.branch[d] in (buffers.F_FIRST, buffers.F_MID, buffers.F_LAST)
+        assert tick.second[0][d] in (buffers.B_FIRST, buffers.B_MID)
+        assert (tick.microbatch[d], tick.second[1][d]) == (
+            c.forward.microbatch, c.backward.microbatch)
+        assert tick.slot[d] != tick.second[3][d]
+  kinds = lambda row: {a.kind for c in row for a in parts(c)}
+  assert any({B, I} <= kinds(row) for row in plan.table)
+  params, xs, ts = model(2 * p, m)
+  _check(pipelined_loss(p, schedule="dualpipev", virtual_stages=2,
+                        dispatch="lockstep"), sequential_loss, params, xs, ts)
+
+
 def test_sends_are_futures_in_flight_over_the_next_tick():
   """Each send is a ppermute future; with send_ticks=1 every one is finished
   after the next tick, and where that tick computes (not all idle) its
@@ -229,6 +263,17 @@ class TestMisuse:
     with pytest.raises(ValueError, match=r"schedule='zb-v'.*virtual_stages=1; "
                        r"pass virtual_stages=2"):
       self._run(schedule="zb-v")
+
+  def test_dualpipev_without_two_chunks(self):
+    with pytest.raises(ValueError, match=r"schedule='dualpipev'.*"
+                       r"virtual_stages=1; pass virtual_stages=2"):
+      self._run(schedule="dualpipev")
+
+  def test_dualpipev_too_few_microbatches(self):
+    with pytest.raises(ValueError, match=r"schedule='dualpipev' needs "
+                       r"microbatches >= 2 \* stages \(got microbatches=3"):
+      self._run(m=3, params=model(4, 3)[0], schedule="dualpipev",
+                virtual_stages=2)
 
   def test_too_few_microbatches(self):
     with pytest.raises(ValueError, match="microbatches >= stages"):

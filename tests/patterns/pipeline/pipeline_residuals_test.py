@@ -16,7 +16,7 @@ from pipeline_model import model, mse, pipelined_loss, sequential_loss, stage
 TOL = dict(rtol=1e-5, atol=1e-6)
 CHOICES = (False, True, jax.checkpoint_policies.dots_saveable)
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
-             ("zb-v", 2)]
+             ("zb-v", 2), ("dualpipev", 2)]
 
 
 def _value_and_grad(loss, params, xs, ts):
@@ -32,7 +32,8 @@ def _same(got, want):
     "test_each_choice_equals_the_sequential_model[1f1b-1-switch]",
     "test_each_choice_equals_the_sequential_model[zb-h1-1-lockstep]",
     "test_each_choice_equals_the_sequential_model[interleaved-2-switch]",
-    "test_each_choice_equals_the_sequential_model[zb-v-2-lockstep]"])
+    "test_each_choice_equals_the_sequential_model[zb-v-2-lockstep]",
+    "test_each_choice_equals_the_sequential_model[dualpipev-2-switch]"])
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["switch", "lockstep"])
 @pytest.mark.parametrize("schedule,v", SCHEDULES)

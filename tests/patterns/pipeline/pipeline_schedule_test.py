@@ -5,8 +5,9 @@ import itertools
 import pytest
 
 import jax_overlap._src.patterns.pipeline.plan as plan_lib
-from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, device_chunk,
-                                                       global_stage)
+from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, Pair,
+                                                       device_chunk,
+                                                       global_stage, parts)
 
 pipeline_schedule = plan_lib.pipeline_schedule
 
@@ -18,6 +19,8 @@ def _cases():
     yield "1f1b", p, m, 1, send
     yield "zb-h1", p, m, 1, send
     yield "zb-v", p, m, 2, send
+    if k >= 2:
+      yield "dualpipev", p, m, 2, send
     for v in (2, 3):
       yield "interleaved", p, m, v, send
 
@@ -29,8 +32,8 @@ def _placed(plan):
   """(kind, microbatch, global stage) -> (tick, device)."""
   at = {}
   for t, row in enumerate(plan.table):
-    for d, a in enumerate(row):
-      if a is not None:
+    for d, cell in enumerate(row):
+      for a in parts(cell):
         key = (a.kind, a.microbatch,
                global_stage(d, a.chunk, plan.stages, plan.placement))
         assert key not in at, f"{key} twice"
@@ -47,8 +50,13 @@ def test_every_action_once_and_after_its_inputs(schedule, p, m, v, send):
   zero_bubble = schedule in ("zb-h1", "zb-v")
   back = I if zero_bubble else B
   kinds = (F, I, W) if zero_bubble else (F, B)
-  assert len(at) == len(kinds) * m * stages
+  if schedule != "dualpipev":   # its backwards: some B, some I and W
+    assert len(at) == len(kinds) * m * stages
   for i, g in itertools.product(range(m), range(stages)):
+    if schedule == "dualpipev":
+      zero_bubble = (I, i, g) in at
+      back = I if zero_bubble else B
+      assert ((B, i, g) in at) != zero_bubble and ((W, i, g) in at) == zero_bubble
     tf, df = at[F, i, g]
     tb, db = at[back, i, g]
     assert df == db == device_chunk(g, p, plan.placement)[0]
@@ -61,7 +69,8 @@ def test_every_action_once_and_after_its_inputs(schedule, p, m, v, send):
       tp_, dp_ = at[F, i, g - 1]
       assert tp_ + 1 + (send if dp_ != df else 0) <= tf
     if g < stages - 1:
-      tn, dn = at[back, i, g + 1]
+      # the next stage's backward: a B or (zero bubble) an I
+      tn, dn = at[I if (I, i, g + 1) in at else B, i, g + 1]
       assert tn + 1 + (send if dn != db else 0) <= tb
 
 
@@ -167,6 +176,76 @@ def test_zb_v_print_and_placement():
   ]
 
 
+@pytest.mark.parametrize("p,k", list(itertools.product((2, 4, 8), (2, 3))))
+def test_dualpipev_ticks_bubble_and_peak(p, k):
+  """DualPipeV under unit costs (a chunk's F, I and W each 1, an F&B cell
+  its parts' sum: no overlap credited), sends free, m = 2p, 3p. The
+  send_ticks=0 table is 2m+5p-2 ticks; the makespan 6m+2(p-1): each device
+  idles 2(p-1), the DualPipe README's (PP/2-1)(F&B+B-3W) with PP = 2p
+  stages, F&B = 3, B = 2, W = 1; the bubble (p-1)/(3m+p-1) (ZB-H1's
+  formula in chunk units), p-1 more than ZB-V's 6m+p-1 at the same p, m
+  (p=4, m=8: 54 against 51, 0.111 against 0.0588); the peak 2p+1
+  chunk-microbatches a device (the README's PP+1), ZB-V's 2p plus one. The
+  default table (a tick a send) runs the same order: the same makespan
+  with free sends."""
+  m = k * p
+  plan = pipeline_schedule("dualpipev", p, m, 2, send_ticks=0)
+  sim = plan.simulate()
+  assert plan.ticks == 2 * m + 5 * p - 2
+  assert sim.makespan == 6 * m + 2 * (p - 1)
+  assert sim.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+  assert sim.peak_activations == (2 * p + 1,) * p
+  zbv = pipeline_schedule("zb-v", p, m, 2, send_ticks=0).simulate()
+  assert sim.makespan == zbv.makespan + p - 1
+  assert max(sim.peak_activations) == max(zbv.peak_activations) + 1
+  default = pipeline_schedule("dualpipev", p, m, 2)
+  assert default.send_ticks == 1
+  assert default.simulate(send=0).makespan == sim.makespan
+  # the F&B cells: device r runs 2(m-2p+r+1) + (p-1-r) of them (device
+  # p-1 one fewer: its first steady step runs F and B apart)
+  pairs = [sum(isinstance(c, Pair) for _, c in o) for o in plan.device_orders()]
+  assert pairs == [2 * (m - 2 * p + r + 1) + (p - 1 - r) - (r == p - 1)
+                   for r in range(p)]
+  assert all(isinstance(c.forward, tuple) and c.forward.kind == F
+             and c.backward.kind == B and c.forward.chunk != c.backward.chunk
+             for o in plan.device_orders() for _, c in o if isinstance(c, Pair))
+
+
+@pytest.mark.parametrize("p,k", list(itertools.product((2, 4, 8), (2, 3))))
+def test_dualpipev_idle_is_the_dualpipe_readmes(p, k):
+  """With an F&B cell that overlaps (simulate's forward_backward below
+  F + B), the most idle device idles (PP/2-1)(F&B + B - 3W), PP = 2p
+  stages, the DualPipe README's bubble, wherever a backward's input half
+  costs a forward (I = F); where it does not, this table's differs (p=8,
+  F=1, I=1.5, W=0.5, F&B=2.5: 20 against 21)."""
+  m = k * p
+  plan = pipeline_schedule("dualpipev", p, m, 2, send_ticks=0)
+  for f, i, w, fb in ((1, 1, 1, 3), (1, 1, 1, 2.5), (1, 1, 1, 2), (1, 1, 0.5, 2)):
+    sim = plan.simulate(f, i, w, forward_backward=fb)
+    cost = {F: f, I: i, W: w, B: i + w}
+    busy = [sum(fb if isinstance(c, Pair) else cost[c.kind] for _, c in o)
+            for o in plan.device_orders()]
+    assert sim.makespan - min(busy) == pytest.approx((p - 1) * (fb + i + w - 3 * w))
+    assert sim.bubble_fraction == pytest.approx(1 - sum(busy) / (p * sim.makespan))
+  sim = plan.simulate(1, 1.5, 0.5, forward_backward=2.5)
+  busy = [sum(2.5 if isinstance(c, Pair) else {F: 1, I: 1.5, W: 0.5, B: 2}[c.kind]
+              for _, c in o) for o in plan.device_orders()]
+  if p == 8:
+    assert (sim.makespan - min(busy), 7 * (2.5 + 2 - 1.5)) == (20, 21)
+
+
+def test_dualpipev_print():
+  """An F&B cell prints as its two parts joined by '+'."""
+  plan = pipeline_schedule("dualpipev", 2, 4, 2, send_ticks=0)
+  assert plan.placement == "v"
+  assert str(plan).splitlines()[7:11] == [
+      "   6  F1.1     B0.1",
+      "   7  F3+B1.1  F2.1+B0",
+      "   8  F2.1+B0  F3+B1.1",
+      "   9  B2.1     F3.1+B1",
+  ]
+
+
 def test_simulate_other_costs():
   # GPipe's and 1F1B's bubble does not depend on the F/B ratio.
   for schedule in ("gpipe", "1f1b"):
@@ -206,6 +285,8 @@ def test_print_is_a_table():
     (("zb-v", 2, 4), "pass virtual_stages=2"),
     (("zb-v", 2, 4, 3), "virtual_stages=3"),
     (("zb-v", 4, 2, 2), "microbatches >= stages"),
+    (("dualpipev", 2, 4), "pass virtual_stages=2"),
+    (("dualpipev", 4, 7, 2), "microbatches >= 2 \\* stages"),
     (("gpipe", 2, 0), "microbatches=0"),
 ])
 def test_unsupported_arguments(args, match):

@@ -22,16 +22,35 @@ class Action(NamedTuple):
     return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
+class Pair(NamedTuple):
+  """DualPipeV's "F&B" cell: a forward and a backward (B or I) of one
+  device's two chunks, of different microbatches, run in one tick so that
+  one's communication can hide behind the other's compute. Printed
+  `F3.1+B2`."""
+  forward: Action
+  backward: Action
+
+  def __str__(self):
+    return f"{self.forward}+{self.backward}"
+
+
+def parts(cell) -> tuple[Action, ...]:
+  """The actions of a table cell: () idle, (a,) one action, (F, B) a Pair."""
+  if cell is None:
+    return ()
+  return tuple(cell) if isinstance(cell, Pair) else (cell,)
+
+
 #: Where the global stages sit. "chunk-major": stage j*p + d is chunk j of
 #: device d (interleaved). "v": stage d is chunk 0 of device d and stage
-#: 2p-1-d its chunk 1 (ZB-V), so device 0 holds the first and the last stage
+#: 2p-1-d its chunk 1 (ZB-V, DualPipeV), so device 0 holds the first and the last stage
 #: and the turn from stage p-1 to stage p stays on device p-1.
 PLACEMENTS = ("chunk-major", "v")
 
 
 def placement_of(schedule: str) -> str:
   """The placement `schedule` runs on."""
-  return "v" if schedule == "zb-v" else "chunk-major"
+  return "v" if schedule in ("zb-v", "dualpipev") else "chunk-major"
 
 
 def global_stage(device: int, chunk: int, stages: int,

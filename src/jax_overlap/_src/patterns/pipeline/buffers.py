@@ -7,7 +7,10 @@ the moment its input is written (a received send's `done()`, or its F on
 global stage 0) to its last backward action, and rows are reused, so the
 rows a device needs are the schedule's live activations, not m (1F1B's
 memory flat in m). A send made at tick t is finished (`done()`) after tick
-t+1's compute unless a device needs it at tick t+1; then before. Pinned by
+t+1's compute unless a device needs it at tick t+1; then before. A
+DualPipeV F&B cell (a Pair) gives its device two parts at one tick: the
+forward in Tick's per-device fields, the backward in `Tick.second`, each with
+its own microbatch, chunk and row. Pinned by
 tests/patterns/pipeline/pipeline_loss_test.py.
 """
 
@@ -17,7 +20,7 @@ import dataclasses
 import heapq
 
 from jax_overlap._src.patterns.pipeline.actions import (B, F, I, device_chunk,
-                                                       global_stage)
+                                                       global_stage, parts)
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
 
 #: The executor's branches (a device runs one a tick).
@@ -57,6 +60,10 @@ class Tick:
   #: both neighbours at a tick, so each way along the devices is a send of
   #: its own, and the turn is a local one.
   sends: tuple[Send, ...] = ()
+  #: DualPipeV's F&B cells: the backward half of each device's Pair
+  #: (branch IDLE where the device runs one action or none); () where the
+  #: tick holds no Pair. The fields above then hold the Pair's forward.
+  second: tuple[tuple[int, ...], ...] = ()   # (branch, microbatch, chunk, slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +99,8 @@ def program(plan: PipelinePlan) -> Program:
   dev = lambda g: device_chunk(g, p, placement)[0]
   at = {}   # (kind, microbatch, global stage) -> tick
   for t, row in enumerate(plan.table):
-    for d, a in enumerate(row):
-      if a is not None:
+    for d, cell in enumerate(row):
+      for a in parts(cell):
         at[("grad" if a.kind in (B, I) else a.kind, a.microbatch,
             global_stage(d, a.chunk, p, placement))] = t
   sends = {}     # (tick, buffer, route) -> list of (src, dst, key on dst)
@@ -125,21 +132,22 @@ def program(plan: PipelinePlan) -> Program:
         _send(sends[key], key[1], deferred[key], slot_of, p, dev))
   ticks = []
   for t, row in enumerate(plan.table):
-    branch, mb, ch, sl = [], [], [], []
-    for d, a in enumerate(row):
-      if a is None:
-        branch.append(IDLE)
-        mb.append(0)
-        ch.append(0)
-        sl.append(0)
-        continue
-      g = global_stage(d, a.chunk, p, placement)
-      branch.append(_branch(a.kind, g, last))
-      mb.append(a.microbatch)
-      ch.append(a.chunk)
-      sl.append(slot_of[(a.microbatch, g)])
-    ticks.append(Tick(tuple(branch), tuple(mb), tuple(ch), tuple(sl),
-                      tuple(by_tick.get(t, ()))))
+    cols = [[], []]   # per part: (branch, microbatch, chunk, slot) per device
+    for d, cell in enumerate(row):
+      acts = parts(cell)
+      for k in range(2):
+        if k >= len(acts):
+          cols[k].append((IDLE, 0, 0, 0))
+          continue
+        a = acts[k]
+        g = global_stage(d, a.chunk, p, placement)
+        cols[k].append((_branch(a.kind, g, last), a.microbatch, a.chunk,
+                        slot_of[(a.microbatch, g)]))
+    first = tuple(zip(*cols[0]))
+    second = tuple(zip(*cols[1]))
+    if set(second[0]) == {IDLE}:
+      second = ()
+    ticks.append(Tick(*first, tuple(by_tick.get(t, ())), second))
   return Program(tuple(ticks), slots)
 
 

@@ -27,10 +27,10 @@ def check_shapes(stage_params, xs, targets, v: int, axis) -> int:
     raise ValueError(
         f"stage_params{bad[0]} has shape {bad[1]} inside "
         f"shard_map: its leading axis must be virtual_stages={v} (entry j "
-        "is global stage j*p + d on device d; for schedule='zb-v' stages d "
-        "and 2p-1-d). Lay the stack of the p*v stages out with "
-        "jax_overlap.pipeline_stage_layout (schedule='zb-v' for ZB-V) and "
-        "shard it over the pipeline axis.")
+        "is global stage j*p + d on device d; for schedule='zb-v' or "
+        "'dualpipev' stages d and 2p-1-d). Lay the stack of the p*v stages "
+        "out with jax_overlap.pipeline_stage_layout (passing the schedule "
+        "for ZB-V and DualPipeV) and shard it over the pipeline axis.")
   leaves = jax.tree.leaves(xs)
   if not leaves or any(jnp.ndim(a) < 1 for a in leaves):
     got = [jnp.shape(a) for a in leaves]

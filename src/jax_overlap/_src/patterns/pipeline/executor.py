@@ -19,7 +19,10 @@ tick, which XLA does not define (on CPU its rendezvous waits forever), so a
 model whose stage, loss or embedding holds a collective runs in `lockstep`:
 at each tick every device runs the same program, one slot for each kind of
 action the tick holds, each device's flags masking what it keeps
-(work.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
+(work.py). A DualPipeV F&B cell runs both its parts at its tick: switch's
+branch runs the forward then the backward (they touch different rows);
+lockstep's F slot and B slot each read their own part's microbatch, chunk
+and row. Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
 reads the parameters through a barrier on the loss the tick before starts
 from (`_gate`), so its weight gathers start a tick or two early at most.
 Values and gradients equal the plain model's:
@@ -96,8 +99,7 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   for t, tick in enumerate(prog.ticks):
     with jax.named_scope(f"pipeline_tick_{t}"):   # profiles name the tick
       tick_params, gated = gated, _gate(params, state)
-      operands = (state, tick_params, consts, xs, targets, _pick(tick.microbatch, me),
-                  _pick(tick.chunk, me), _pick(tick.slot, me))
+      operands = (state, tick_params, consts, xs, targets)
       run = _lockstep_tick if dispatch == "lockstep" else _switch_tick
       state, out_fwd, out_bwd = run(tick, work, operands, me)
       for futs, send, buffer in pending:
@@ -185,32 +187,84 @@ def _write(buffer, value, slots, me):
   return jax.lax.dynamic_update_index_in_dim(buffer, new, row, 0)
 
 
+def _parts(tick):
+  """Per device, its variants at `tick`: one, or a Pair's forward and
+  backward (buffers.Tick.second)."""
+  second = tick.second[0] if tick.second else (_buffers.IDLE,) * len(tick.branch)
+  return [tuple(_VARIANT[b] for b in (b1, b2) if _VARIANT[b] is not None)
+          for b1, b2 in zip(tick.branch, second)]
+
+
+def _picks(tick, k, me):
+  """The (microbatch, chunk, slot) part k (0, or 1: a Pair's backward) of
+  `tick` reads on this device."""
+  cols = (tick.microbatch, tick.chunk, tick.slot) if k == 0 else tick.second[1:]
+  return tuple(_pick(c, me) for c in cols)
+
+
 def _switch_tick(tick, work, operands, me):
-  """Each device runs its own action's variant."""
-  present = sorted(set(tick.branch))
-  fns = [work.idle if _VARIANT[b] is None else
-         work.action(_VARIANT[b][0], _VARIANT[b][1], _VARIANT[b][2], True)
-         for b in present]
+  """Each device runs its own action's variant; a device with a Pair runs
+  both parts, the forward first (they touch different rows), in one
+  branch."""
+  second = tick.second[0] if tick.second else (_buffers.IDLE,) * len(tick.branch)
+  combos = list(zip(tick.branch, second))
+  present = sorted(set(combos))
+  picks = [_picks(tick, 0, me)] + ([_picks(tick, 1, me)] if tick.second else [])
+
+  def branch(b1, b2):
+    def run(ops):
+      state, rest = ops[0], ops[1:]
+      fwd = bwd = None
+      for k, b in enumerate((b1, b2)):
+        if _VARIANT[b] is None:
+          continue
+        kind, first, last = _VARIANT[b]
+        state, f, g = work.action(kind, first, last, True)(
+            (state,) + rest[:4] + picks[k])
+        if kind == F:
+          fwd = f
+        else:
+          bwd = g
+      return work.out(state, fwd, bwd)
+    return run
+
+  fns = [branch(*c) for c in present]
   if len(fns) == 1:
     return fns[0](operands)
-  local = [present.index(b) for b in tick.branch]
+  local = [present.index(c) for c in combos]
   return jax.lax.switch(_pick(local, me), fns, operands)
 
 
 def _lockstep_tick(tick, work, operands, me):
-  """Every device runs one slot for each kind of action the tick holds."""
-  variants = [_VARIANT[b] for b in tick.branch]
-  kinds = [k for k in (F, B, I, W) if any(v and v[0] == k for v in variants)]
+  """Every device runs one slot for each kind of action the tick holds; a
+  device with a Pair is active in two (its forward's and its backward's),
+  each slot reading the microbatch, chunk and row of that kind's part."""
+  per_device = _parts(tick)
+  kinds = [k for k in (F, B, I, W) if any(v[0] == k for vs in per_device for v in vs)]
   flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)
-  first = flag([bool(v and v[1]) for v in variants])
-  last = flag([bool(v and v[2]) for v in variants])
   state, out_fwd, out_bwd = work.idle(operands)
+  picks = [_picks(tick, 0, me)] + ([_picks(tick, 1, me)] if tick.second else [])
+  sent_back = None
   for kind in kinds:
-    active = flag([bool(v and v[0] == kind) for v in variants])
-    ops = (state,) + operands[1:]
+    # which part of each device's cell is of this kind (None: none)
+    part = [next((k for k, v in enumerate(vs) if v[0] == kind), None)
+            for vs in per_device]
+    of = [vs[k] if k is not None else None for vs, k in zip(per_device, part)]
+    active = flag([v is not None for v in of])
+    first = flag([bool(v and v[1]) for v in of])
+    last = flag([bool(v and v[2]) for v in of])
+    if len(picks) == 1 or all(k in (0, None) for k in part):
+      pick = picks[0]
+    else:
+      use2 = flag([k == 1 for k in part])
+      pick = tuple(jnp.where(use2, b, a) for a, b in zip(*picks))
+    ops = (state,) + operands[1:5] + pick
     state, fwd, bwd = work.action(kind, first, last, active)(ops)
     if kind == F:
       out_fwd = fwd
     elif kind in (B, I):   # a W sends nothing
-      out_bwd = bwd
+      # B and I slots at one tick (DualPipeV): each device sends its own
+      out_bwd = bwd if sent_back is None else jax.tree.map(
+          lambda new, old: jnp.where(active, new, old), bwd, out_bwd)
+      sent_back = kind
   return state, out_fwd, out_bwd

@@ -1,7 +1,7 @@
 """The stage-params layout: which global stages each device holds.
 
-Chunk-major (every schedule but ZB-V): global stage j*p + d is chunk j of
-device d. ZB-V's V: device d holds stage d (chunk 0) and stage 2p-1-d
+Chunk-major (every schedule but ZB-V and DualPipeV): global stage j*p + d is
+chunk j of device d. Their V: device d holds stage d (chunk 0) and stage 2p-1-d
 (chunk 1). Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
 """
 
@@ -20,14 +20,15 @@ def pipeline_stage_layout(stacked, stages: int, *, inverse: bool = False,
   """Reorders a stack of the p*v global stages (leading axis, stage order)
   so that sharding its leading axis over the pipeline axis gives device d
   its v chunks in order, as `pipeline_loss` reads them: the stages d, p+d,
-  2p+d, ..., or for `schedule="zb-v"` the stages d and 2p-1-d.
+  2p+d, ..., or for `schedule="zb-v"` or `"dualpipev"` the stages d and
+  2p-1-d.
 
   Args:
     stacked: a pytree whose leaves have a leading axis of p*v stages.
     stages: p, devices along the pipeline axis.
     inverse: put a laid-out stack (such as its gradient) back in stage order.
     schedule: the schedule `pipeline_loss` runs (None: chunk-major, every
-      schedule's but "zb-v"'s).
+      schedule's but "zb-v"'s and "dualpipev"'s).
 
   Example:
     >>> import jax.numpy as jnp
@@ -58,8 +59,9 @@ def pipeline_stage_layout(stacked, stages: int, *, inverse: bool = False,
       return a.reshape((v, stages) + rest).swapaxes(0, 1).reshape(a.shape)
     if v != 2:
       raise ValueError(f"pipeline_stage_layout(schedule={schedule!r}): a "
-                       f"leaf's leading axis is {n}; ZB-V's V holds 2 "
-                       f"stages a device, 2*stages={2 * stages}.")
+                       f"leaf's leading axis is {n}; the V (ZB-V, "
+                       f"DualPipeV) holds 2 stages a device, "
+                       f"2*stages={2 * stages}.")
     # row k of the laid-out stack is chunk k % v of device k // v
     order = np.array([global_stage(k // v, k % v, stages, placement)
                       for k in range(n)])

@@ -53,7 +53,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       flow.
     stage_params: a pytree whose leaves have a leading axis of size
       `virtual_stages` here; entry j on device d is global stage j*p + d,
-      for "zb-v" entries 0 and 1 are stages d and 2p-1-d
+      for "zb-v" and "dualpipev" entries 0 and 1 are stages d and 2p-1-d
       (`pipeline_stage_layout(..., schedule=schedule)` lays a stack of the
       p*v stages out so).
       Integer and key leaves get float0 gradients.
@@ -63,15 +63,17 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     targets: a pytree of `[m, ...]` leaves, likewise. Float targets get
       gradients (they may depend on what is differentiated).
     axis: the pipeline's mesh axis, p devices.
-    schedule: "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v"
-      (`pipeline_schedule` prints each).
-    virtual_stages: v, chunks a device (for "interleaved"; 2 for "zb-v",
-      whose V puts stages d and 2p-1-d on device d).
+    schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or
+      "dualpipev" (DualPipeV: a forward and a backward of a device's two
+      chunks in one tick in its steady state; m >= 2p) (`pipeline_schedule`
+      prints each).
+    virtual_stages: v, chunks a device (for "interleaved"; 2 for "zb-v" and
+      "dualpipev", whose V puts stages d and 2p-1-d on device d).
     send_ticks: None (default): 1F1B and interleaved run one kind of action
       a tick, forward and backward ticks alternating, so each send is in
       flight over a tick of the other kind and the table has the
-      literature's tick count; GPipe, ZB-H1 and ZB-V give each send a tick
-      (1).
+      literature's tick count; GPipe, ZB-H1, ZB-V and DualPipeV give each
+      send a tick (1).
       An int: each send in flight over that many ticks of its own (0: waited
       for before the next tick). `pipeline_schedule` prints each table.
     before: `before(x) -> activation`, run on the first stage for each

@@ -9,9 +9,11 @@ microbatch's round trip from stage d back to stage d is then
 
 from __future__ import annotations
 
-from jax_overlap._src.patterns.pipeline.actions import B, F, I, Action
+from collections import deque
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+from jax_overlap._src.patterns.pipeline.actions import B, F, I, W, Action, Pair
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 
 
 def check_arguments(schedule: str, p: int, m: int, v: int) -> None:
@@ -31,13 +33,18 @@ def check_arguments(schedule: str, p: int, m: int, v: int) -> None:
     if m % p:
       raise ValueError(f"schedule='interleaved' needs microbatches to be a "
                        f"multiple of stages: got microbatches={m}, stages={p}.")
-  elif schedule == "zb-v":
+  elif schedule in ("zb-v", "dualpipev"):
     if v != 2:
-      raise ValueError("schedule='zb-v' runs two chunks a device on a V "
+      raise ValueError(f"schedule={schedule!r} runs two chunks a device on a V "
                        f"(device d holds stages d and 2p-1-d): got "
                        f"virtual_stages={v}; pass virtual_stages=2 (and lay "
                        "the stages out with pipeline_stage_layout(..., "
-                       "schedule='zb-v')).")
+                       f"schedule={schedule!r})).")
+    if schedule == "dualpipev" and m < 2 * p:
+      raise ValueError(f"schedule='dualpipev' needs microbatches >= 2 * "
+                       f"stages (got microbatches={m}, stages={p}): its "
+                       "published order gives device 0 m-2p+1 steady steps "
+                       "of F&B cells; use more microbatches or 'zb-v'.")
   elif v != 1:
     raise ValueError(f"schedule={schedule!r} runs one chunk a device: got "
                      f"virtual_stages={v}; use schedule='interleaved'.")
@@ -62,6 +69,8 @@ def orders(schedule: str, p: int, m: int, v: int,
     back = I if schedule == "zb-h1" else B
     return [_one_f_one_b(m, min(m, (p - 1 - d) * (1 + send_ticks)), back)
             for d in range(p)]
+  if schedule == "dualpipev":
+    return [_dualpipe_v(p, m, d) for d in range(p)]
   return [_interleaved(p, m, v, d, send_ticks) for d in range(p)]
 
 
@@ -70,6 +79,59 @@ def _one_f_one_b(m: int, warmup: int, back: str) -> list[Action]:
   for i in range(m - warmup):
     order += [Action(F, warmup + i), Action(back, i)]
   return order + [Action(back, i) for i in range(m - warmup, m)]
+
+
+def _dualpipe_v(p: int, m: int, r: int) -> list:
+  """DualPipeV's order on device r of p (DeepSeek's DualPipe cut in half,
+  as Sea AI Lab describes it), in its published phases: 2(p-1-r) forwards
+  of chunk 0; r+1 pairs of a chunk-0 and a chunk-1 forward; p-1-r
+  zero-bubble steps (I and W of chunk 1, a chunk-1 forward); m-2p+r+1
+  steady steps of two F&B cells (a chunk-0 forward with a chunk-1 backward,
+  a chunk-1 forward with a chunk-0 backward; device p-1's first runs its two
+  halves apart); p-1-r steps of a chunk-1 backward and an F&B; r+1 pairs of
+  chunk-1 and chunk-0 backwards, the later half split into I and W; p-1-r
+  steps of a W and a chunk-0 I; the r+1 W's left. W's run in the order
+  their I's did."""
+  nxt = {(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0}
+  pending: deque = deque()
+
+  def fwd(c):
+    nxt[F, c] += 1
+    return Action(F, nxt[F, c] - 1, c)
+
+  def back(c, split=False):
+    nxt[B, c] += 1
+    i = nxt[B, c] - 1
+    if split:
+      pending.append(Action(W, i, c))
+    return Action(I if split else B, i, c)
+
+  order: list = [fwd(0) for _ in range(2 * (p - 1 - r))]
+  for _ in range(r + 1):
+    order += [fwd(0), fwd(1)]
+  for _ in range(p - 1 - r):
+    order += [back(1, True), pending.popleft(), fwd(1)]
+  for k in range(m - 2 * p + r + 1):
+    if k == 0 and r == p - 1:   # the turn's device: not overlapped
+      order += [fwd(0), back(1)]
+    else:
+      order.append(Pair(fwd(0), back(1)))
+    order.append(Pair(fwd(1), back(0)))
+  for _ in range(p - 1 - r):
+    order += [back(1), Pair(fwd(1), back(0))]
+  split = False
+  for k in range(r + 1):
+    if k == (r + 1) // 2 and r % 2 == 1:
+      split = True
+    order.append(back(1, split))
+    if k == (r + 1) // 2 and r % 2 == 0:
+      split = True
+    order.append(back(0, split))
+  for _ in range(p - 1 - r):
+    order += [pending.popleft(), back(0, True)]
+  order += [pending.popleft() for _ in range(r + 1)]
+  assert not pending and all(n == m for n in nxt.values()), (p, m, r, nxt)
+  return order
 
 
 def _interleaved(p: int, m: int, v: int, d: int, send_ticks: int) -> list[Action]:

@@ -18,6 +18,8 @@ else a forward under twice 1F1B's peak in chunks, else a pending W; under
 unit costs and free sends its table is 6m+p-1 ticks, the least any table
 on the V can be (device p-1 runs 6m actions and starts at tick p-1 at the
 earliest).
+DualPipeV's order (orders.py) holds F&B cells, `Pair`s of a forward and a
+backward run at one tick; a Pair waits for both parts' inputs.
 `simulate` times the same orders under other costs. Pinned by
 tests/patterns/pipeline/pipeline_schedule_test.py.
 """
@@ -30,8 +32,8 @@ from typing import NamedTuple
 
 from jax_overlap._src.patterns.pipeline import orders as _orders
 from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, Action,
-                                                       device_chunk,
-                                                       global_stage,
+                                                       Pair, device_chunk,
+                                                       global_stage, parts,
                                                        placement_of)
 
 
@@ -44,8 +46,9 @@ class Simulation(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
-  """A pipeline schedule: `table[t][d]` is device d's `Action` at tick t, or
-  None (idle).
+  """A pipeline schedule: `table[t][d]` is device d's `Action` at tick t, a
+  `Pair` (DualPipeV's F&B: a forward and a backward in one tick) or None
+  (idle).
 
   Example:
     >>> import jax_overlap
@@ -68,15 +71,16 @@ class PipelinePlan:
   microbatches: int
   virtual_stages: int
   send_ticks: int | None     # None: one kind of action a tick, alternating
-  table: tuple[tuple[Action | None, ...], ...]
+  table: tuple[tuple[Action | Pair | None, ...], ...]
   placement: str = "chunk-major"   # where the global stages sit (actions.py)
 
   @property
   def ticks(self) -> int:
     return len(self.table)
 
-  def device_orders(self) -> list[list[tuple[int, Action]]]:
-    """Per device, its (tick, action) in tick order."""
+  def device_orders(self) -> list[list[tuple[int, Action | Pair]]]:
+    """Per device, its (tick, cell) in tick order (a cell: an Action or a
+    Pair)."""
     return [[(t, row[d]) for t, row in enumerate(self.table) if row[d]]
             for d in range(self.stages)]
 
@@ -90,10 +94,12 @@ class PipelinePlan:
     return "\n".join(lines)
 
   def simulate(self, forward: float = 1.0, backward_input: float = 1.0,
-               backward_weight: float = 1.0, send: float | None = None
-               ) -> Simulation:
+               backward_weight: float = 1.0, send: float | None = None,
+               forward_backward: float | None = None) -> Simulation:
     """Times each device's actions, in the table's order, under these costs
-    (B costs backward_input + backward_weight; `send` is a stage-to-stage
+    (B costs backward_input + backward_weight; a Pair, DualPipeV's F&B
+    cell, `forward_backward`, by default its two parts' sum, less where the
+    two overlap; `send` is a stage-to-stage
     transfer's time, `send_ticks` by default). Returns the makespan, the
     bubble fraction and each device's peak live activations (a microbatch's
     activations on a chunk are live from its F's start to the end of its B,
@@ -106,20 +112,24 @@ class PipelinePlan:
     busy = [0.0] * self.stages
     spans = [dict() for _ in range(self.stages)]
     for t, row in enumerate(self.table):
-      for d, a in enumerate(row):
-        if a is None:
+      for d, cell in enumerate(row):
+        acts = parts(cell)
+        if not acts:
           continue
         start = free[d]
-        for key, dev in _deps(a, d, self.stages, self.virtual_stages,
-                              self.placement):
+        for key, dev in _cell_deps(cell, d, self.stages, self.virtual_stages,
+                                   self.placement):
           start = max(start, finish[key] + (send if dev != d else 0.0))
-        end = start + cost[a.kind]
-        finish[_key(a, d, self.stages, self.placement)] = end
+        paired = len(acts) == 2 and forward_backward is not None
+        end = start + (forward_backward if paired
+                       else sum(cost[a.kind] for a in acts))
         free[d] = end
-        busy[d] += cost[a.kind]
-        span = spans[d].setdefault((a.microbatch, a.chunk), [start, end])
-        if a.kind in (B, W):
-          span[1] = end
+        busy[d] += end - start
+        for a in acts:
+          finish[_key(a, d, self.stages, self.placement)] = end
+          span = spans[d].setdefault((a.microbatch, a.chunk), [start, end])
+          if a.kind in (B, W):
+            span[1] = end
     makespan = max(free)
     bubble = 1.0 - sum(busy) / (makespan * self.stages)
     return Simulation(makespan, bubble, tuple(_peak(s.values()) for s in spans))
@@ -145,6 +155,12 @@ def _deps(a: Action, d: int, p: int, v: int, placement: str = "chunk-major"):
   return deps
 
 
+def _cell_deps(cell, d: int, p: int, v: int, placement: str = "chunk-major"):
+  """`_deps` of each part of a cell (a Pair's parts are of different
+  microbatches: neither waits for the other)."""
+  return [dep for a in parts(cell) for dep in _deps(a, d, p, v, placement)]
+
+
 def _peak(spans) -> int:
   events = sorted([(e, -1) for _, e in spans] + [(s, 1) for s, _ in spans])
   live = peak = 0
@@ -161,8 +177,8 @@ ALTERNATING = ("1f1b", "interleaved", "forward")
 def default_send_ticks(schedule: str) -> int | None:
   """What `send_ticks=None` means for `schedule`: one kind a tick (None)
   for 1F1B and interleaved; a tick a send (1) for GPipe, whose sends all
-  feed the next tick, and ZB-H1 and ZB-V, whose W's fill ticks beside F's
-  and I's."""
+  feed the next tick, ZB-H1 and ZB-V, whose W's fill ticks beside F's
+  and I's, and DualPipeV, whose F&B cells hold both kinds."""
   return None if schedule in ALTERNATING else 1
 
 
@@ -192,12 +208,12 @@ def place(schedule: str, p: int, m: int, v: int, send_ticks: int | None,
     t = len(table)
     if t > limit:
       raise AssertionError(f"{schedule}: no progress placing ({p}, {m}, {v})")
-    row: list[Action | None] = [None] * p
+    row: list[Action | Pair | None] = [None] * p
     for d in range(p):
       nxt = order[d][pointer[d]] if pointer[d] < len(order[d]) else None
       can = nxt is not None and all(
           key in done_at and done_at[key] + 1 + (send_ticks if dev != d else 0) <= t
-          for key, dev in _deps(nxt, d, p, v, placement))
+          for key, dev in _cell_deps(nxt, d, p, v, placement))
       if can and zero_bubble and nxt.kind == F and live[d] >= cap:
         can = False
       if can:
@@ -205,11 +221,13 @@ def place(schedule: str, p: int, m: int, v: int, send_ticks: int | None,
         pointer[d] += 1
       elif zero_bubble and pending_w[d]:
         row[d] = pending_w[d].popleft()
-    for d, a in enumerate(row):
-      if a is None:
+    for d, cell in enumerate(row):
+      if cell is None:
         continue
       todo -= 1
-      done_at[_key(a, d, p, placement)] = t
+      for a in parts(cell):
+        done_at[_key(a, d, p, placement)] = t
+      a = cell
       if zero_bubble:
         live[d] += {F: 1, W: -1}.get(a.kind, 0)
         if a.kind == I:
@@ -266,11 +284,17 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
       to fill the bubbles) or "zb-v" (zero bubble on a V of two chunks a
       device: `virtual_stages=2`, device d holds stages d and 2p-1-d; its
       bubble under unit costs with free sends, (p-1)/(6m+p-1), is the least
-      any table on the V has).
+      any table on the V has) or "dualpipev" (DeepSeek's DualPipe cut in
+      half, on ZB-V's V, `virtual_stages=2`, m >= 2p: in the steady state a
+      device runs a forward of one chunk and a backward of the other, of
+      different microbatches, in one tick, an F&B cell printed `F3+B1.1`;
+      under unit costs, an F&B costing F+B, each device idles 2(p-1) and
+      holds at most 2p+1 chunk-microbatches).
     stages: p, devices along the pipeline axis (at least 2).
     microbatches: m.
     virtual_stages: v, chunks a device; global stage `j*p + d` is chunk j of
-      device d (ZB-V: 2, stage d chunk 0 and stage 2p-1-d chunk 1).
+      device d (ZB-V, DualPipeV: 2, stage d chunk 0 and stage 2p-1-d chunk
+      1).
     send_ticks: None (default): what `pipeline_loss` runs by default: for
       1F1B and interleaved one kind of action a tick, forward and backward
       ticks alternating, each send in flight over a tick of the other kind
@@ -294,6 +318,10 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     >>> sim = zbv.simulate()   # peaks in chunk-microbatches, half a stage each
     >>> zbv.ticks, round(sim.bubble_fraction, 4), sim.peak_activations
     (51, 0.0588, (8, 8, 8, 8))
+    >>> dpv = jax_overlap.pipeline_schedule("dualpipev", 4, 8, 2, send_ticks=0)
+    >>> sim = dpv.simulate()   # an F&B cell costs its parts' sum
+    >>> dpv.ticks, sim.makespan, round(sim.bubble_fraction, 4), sim.peak_activations
+    (34, 54.0, 0.1111, (9, 9, 9, 9))
   """
   _orders.check_arguments(schedule, stages, microbatches, virtual_stages)
   if send_ticks is None:

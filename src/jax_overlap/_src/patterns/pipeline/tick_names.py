@@ -3,7 +3,7 @@
 The executor starts tick t's sends inside `leaf_scope.moving(label(...))`,
 so each collective's `leaf` in the overlap report reads e.g.
 "pipeline tick 5 activations: F3 B0 . W1" (every device's action at that
-tick, '.' idle), in the compiled HLO and in a dump from a cluster alike;
+tick, '.' idle, a DualPipeV F&B cell as `F3+B1.1`), in the compiled HLO and in a dump from a cluster alike;
 `parse` reads it back for the timeline's per-stage rows, where the idle
 ticks are the bubble. Pinned by tests/patterns/pipeline/pipeline_report_test.py.
 

@@ -126,9 +126,11 @@ class Work:
                                       weights=kind in (B, W))
 
   def idle(self, ops):
-    return self._out(ops[0])
+    return self.out(ops[0])
 
-  def _out(self, state, fwd=None, bwd=None):
+  def out(self, state, fwd=None, bwd=None):
+    """(state, sent forward, sent back) as every action returns them: each
+    varying like the activations, zeros where `fwd` or `bwd` is None."""
     v = lambda t: jax.tree.map(self.vary, t)
     zero_back = float_leaves(self.zero_act)
     return (v(state), v(self.zero_act if fwd is None else fwd),
@@ -161,7 +163,7 @@ class Work:
     else:
       y = model.stage(chunk, consts, x, i)
     if last is False:
-      return self._out(state, fwd=y)
+      return self.out(state, fwd=y)
     target = jax.tree.map(lambda a: _at(a, i), targets)
     on = _both(last, active)
     loss_out = lambda: self._loss(consts, y, target)
@@ -175,7 +177,7 @@ class Work:
       state["dconsts"] = _accumulate(state["dconsts"], [d / m for d in dconsts], on)
       state["dtargets"] = [_add_at(a, d / m, i, on)
                            for a, d in zip(state["dtargets"], dtarget)]
-    return self._out(state, fwd=y)
+    return self.out(state, fwd=y)
 
   def _loss(self, consts, y, target):
     """(loss, aux, float parts of d loss / d y, of d / d consts, of d / d
@@ -223,7 +225,7 @@ class Work:
     if dc is not None:
       state["dconsts"] = _accumulate(state["dconsts"], float_leaves(dc), active)
     if dx is None:
-      return self._out(state)
+      return self.out(state)
     dx_floats = float_leaves(dx)
     if first is not False:
       on = _both(first, active)
@@ -234,7 +236,7 @@ class Work:
                                self.vary)
       state["dxs"] = [_put(a, d, i, on) for a, d in zip(state["dxs"], dxs_i)]
       state["dconsts"] = _accumulate(state["dconsts"], dc_embed, on)
-    return self._out(state, bwd=None if first is True else dx_floats)
+    return self.out(state, bwd=None if first is True else dx_floats)
 
   def _stage_at(self, i):
     return lambda w, c, x: self.model.stage(w, c, x, i)
