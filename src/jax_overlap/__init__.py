@@ -42,7 +42,7 @@ from jax_overlap._src.patterns.attention.ulysses import ulysses_attention as uly
 from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout as pipeline_stage_layout
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss as pipeline_loss
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan as PipelinePlan
-from jax_overlap._src.patterns.pipeline.plan import pipeline_schedule as pipeline_schedule
+from jax_overlap._src.patterns.pipeline.placing import pipeline_schedule as pipeline_schedule
 
 __all__ = [
     "Future",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src.patterns.pipeline import buffers, plan as plan_lib
+from jax_overlap._src.patterns.pipeline import buffers, placing as plan_lib
 from jax_overlap._src.patterns.pipeline.actions import B, I, Pair, parts
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
 from pipeline_model import (mesh, model, mse, pipelined_loss, sequential_loss,

@@ -5,7 +5,7 @@ import pytest
 
 import jax_overlap
 from jax_overlap._src.inspection.report import timeline
-from jax_overlap._src.patterns.pipeline import plan as plan_lib, tick_names
+from jax_overlap._src.patterns.pipeline import placing as plan_lib, tick_names
 from pipeline_model import model, pipelined_loss
 
 P_, M = 2, 4

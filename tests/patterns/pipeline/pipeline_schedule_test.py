@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-import jax_overlap._src.patterns.pipeline.plan as plan_lib
+import jax_overlap._src.patterns.pipeline.placing as plan_lib
 from jax_overlap._src.patterns.pipeline.actions import (B, F, I, W, Pair,
                                                        device_chunk,
                                                        global_stage, parts)

@@ -52,7 +52,7 @@ def run(opts: training.Options, schedule: str, microbatches: int = 8) -> int:
       f"stages ({cfg.layers // STAGES} a stage, fsdp_scan over 'fsdp'), width "
       f"{cfg.d}, {n_params / 1e3:.0f}k parameters; {microbatches} microbatches "
       f"a step, schedule {schedule}.")
-  from jax_overlap._src.patterns.pipeline.plan import pipeline_schedule  # noqa: PLC0415
+  from jax_overlap._src.patterns.pipeline.placing import pipeline_schedule  # noqa: PLC0415
   plan = pipeline_schedule(schedule, STAGES, microbatches)
   sim = plan.simulate()
   say(f"   The schedule: {len(plan.table)} ticks, bubble {sim.bubble_fraction:.1%}"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 
 from jax_overlap._src.patterns.pipeline import checks as _checks
-from jax_overlap._src.patterns.pipeline import plan as _plan
+from jax_overlap._src.patterns.pipeline import placing as _placing
 from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
                                                          reduce_like)
 from jax_overlap._src.patterns.leaf_scope import moving
@@ -138,9 +138,9 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   if dispatch is not None and dispatch not in DISPATCHES:
     raise ValueError(f"pipeline_loss(dispatch={dispatch!r}): expected one of "
                      f"{DISPATCHES} or None (chosen from the model).")
-  plan = _plan.pipeline_schedule(schedule, p, m, virtual_stages,
+  plan = _placing.pipeline_schedule(schedule, p, m, virtual_stages,
                                  send_ticks=send_ticks)
-  forward = _plan.place("forward", p, m, virtual_stages, plan.send_ticks,
+  forward = _placing.place("forward", p, m, virtual_stages, plan.send_ticks,
                         plan.placement)
   built = model_of(stage_fn, loss_fn, before, has_aux, stage_params, xs,
                    targets, axis)

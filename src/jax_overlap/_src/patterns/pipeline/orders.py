@@ -1,7 +1,7 @@
 """Each schedule's order of actions on each device, as the literature gives it.
 
-The order is all a schedule is; `plan.py` places the actions on ticks by
-their dependencies (ZB-V's is chosen as it is placed: plan.py). `send_ticks` (ticks a stage-to-stage send is in flight)
+The order is all a schedule is; `placing.py` places the actions on ticks by
+their dependencies (ZB-V's is chosen as it is placed: placing.py). `send_ticks` (ticks a stage-to-stage send is in flight)
 lengthens the warm-ups so that the steady state does not stall: in 1F1B a
 microbatch's round trip from stage d back to stage d is then
 `2 (p-1-d) (1+send_ticks) + 1` ticks. Pinned by pipeline_schedule_test.py.
@@ -58,7 +58,7 @@ def check_arguments(schedule: str, p: int, m: int, v: int) -> None:
 def orders(schedule: str, p: int, m: int, v: int,
            send_ticks: int = 0) -> list[list[Action]]:
   """Device d's actions in the order it runs them (zb-h1: its F and I only;
-  plan.py places each W)."""
+  placing.py places each W)."""
   if schedule == "forward":   # the loss alone (pipeline_loss, undifferentiated)
     return [[Action(F, i, j) for j in range(v) for i in range(m)]
             for _ in range(p)]
