@@ -179,9 +179,31 @@ def run_llama_4d(plan_name: str = "pp_fsdp_tp") -> dict[str, np.ndarray]:
   batch = [_put(mesh, a, plan.batch_spec()) for a in (tokens, targets)]
   with jax.default_matmul_precision("highest"):
     loss, grads = jax.jit(jax.value_and_grad(plan.loss))(placed, *batch)
-  out = {"llama_4d/loss": _to_host(loss)}
+  return _llama_4d_results(loss, plan.unstage(jax.tree.map(_to_host, grads)))
+
+
+def single_program_llama_4d(plan_name: str) -> dict[str, np.ndarray]:
+  """What `run_llama_4d(plan_name)` returns, from examples/llama_4d.py's
+  model as one program on one device (the same parameters and batch): the
+  reference, as in tests/patterns/pipeline/llama_4d_test.py."""
+  sys.path.insert(0, str(EXAMPLES))
+  import llama_4d  # noqa: PLC0415
+  plan = llama_4d.PLANS[plan_name]
+  cfg = llama_4d.config_for(plan)
+  params = llama_4d.init(cfg, jax.random.key(0))
+  tokens, targets = llama_4d.batch(cfg, jax.random.key(1),
+                                   llama_4d.batch_size(plan), 16)
+  with jax.default_matmul_precision("highest"):
+    loss, grads = jax.jit(jax.value_and_grad(llama_4d.loss))(params, tokens,
+                                                             targets)
+  return _llama_4d_results(_to_host(loss), jax.tree.map(_to_host, grads))
+
+
+def _llama_4d_results(loss, grads) -> dict[str, np.ndarray]:
+  """The loss and each gradient leaf (in the model's layout) by path."""
+  out = {"llama_4d/loss": np.asarray(loss)}
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
-    out["llama_4d/grad" + jax.tree_util.keystr(path)] = _to_host(g)
+    out["llama_4d/grad" + jax.tree_util.keystr(path)] = np.asarray(g)
   return out
 
 
