@@ -2,7 +2,9 @@
 
 Two processes with 4 CPU devices each form one 8-device jax system
 (`jax.distributed` on 127.0.0.1, a free port); the results must equal the
-same programs run here in one process on 8 devices. In the two processes the
+same programs run here in one process on 8 devices (examples/llama_4d.py's
+plans: the model as one program, which each plan equals in one process,
+llama_4d_test.py). In the two processes the
 first jax_overlap call is an ordered program compiled inside `jax.set_mesh`.
 Both processes are
 stopped on any failure or timeout; none is left behind.
