@@ -187,29 +187,36 @@ def _write(buffer, value, slots, me):
   return jax.lax.dynamic_update_index_in_dim(buffer, new, row, 0)
 
 
+def _branches(tick):
+  """Per device, its (branch, second branch): the second a Pair's backward
+  (buffers.Tick.second), IDLE where the device runs one action or none."""
+  second = tick.second[0] if tick.second else (_buffers.IDLE,) * len(tick.branch)
+  return list(zip(tick.branch, second))
+
+
 def _parts(tick):
   """Per device, its variants at `tick`: one, or a Pair's forward and
-  backward (buffers.Tick.second)."""
-  second = tick.second[0] if tick.second else (_buffers.IDLE,) * len(tick.branch)
-  return [tuple(_VARIANT[b] for b in (b1, b2) if _VARIANT[b] is not None)
-          for b1, b2 in zip(tick.branch, second)]
+  backward."""
+  return [tuple(_VARIANT[b] for b in pair if _VARIANT[b] is not None)
+          for pair in _branches(tick)]
 
 
-def _picks(tick, k, me):
-  """The (microbatch, chunk, slot) part k (0, or 1: a Pair's backward) of
-  `tick` reads on this device."""
-  cols = (tick.microbatch, tick.chunk, tick.slot) if k == 0 else tick.second[1:]
-  return tuple(_pick(c, me) for c in cols)
+def _picks(tick, me):
+  """Per part (0; 1, a Pair's backward, where the tick holds a Pair), the
+  (microbatch, chunk, slot) that part reads on this device."""
+  cols = [(tick.microbatch, tick.chunk, tick.slot)]
+  if tick.second:
+    cols.append(tick.second[1:])
+  return [tuple(_pick(c, me) for c in part) for part in cols]
 
 
 def _switch_tick(tick, work, operands, me):
   """Each device runs its own action's variant; a device with a Pair runs
   both parts, the forward first (they touch different rows), in one
   branch."""
-  second = tick.second[0] if tick.second else (_buffers.IDLE,) * len(tick.branch)
-  combos = list(zip(tick.branch, second))
+  combos = _branches(tick)
   present = sorted(set(combos))
-  picks = [_picks(tick, 0, me)] + ([_picks(tick, 1, me)] if tick.second else [])
+  picks = _picks(tick, me)
 
   def branch(b1, b2):
     def run(ops):
@@ -243,7 +250,7 @@ def _lockstep_tick(tick, work, operands, me):
   kinds = [k for k in (F, B, I, W) if any(v[0] == k for vs in per_device for v in vs)]
   flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)
   state, out_fwd, out_bwd = work.idle(operands)
-  picks = [_picks(tick, 0, me)] + ([_picks(tick, 1, me)] if tick.second else [])
+  picks = _picks(tick, me)
   sent_back = None
   for kind in kinds:
     # which part of each device's cell is of this kind (None: none)
