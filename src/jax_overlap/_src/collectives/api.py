@@ -45,7 +45,8 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
     # class: jax's subclasses take other constructor arguments).
     kind = next(k for k in (NameError, TypeError, ValueError) if isinstance(e, k))
     raise kind(f"{name}_start: {e}") from None
-  composed = _permute_forms.compose(name, params, x, where)
+  composed = _permute_forms.compose(name, params, x, where,
+                                    first_half=first_half)
   if composed is not None:
     return composed
   form = None if params is None else _tpu_forms.trace_form(
@@ -228,10 +229,6 @@ def _scatter_first_half(flat, axis):
   transpose, is then a second half, placed by an ordered block inside the
   cotangent's reduce-scatter window (ring_psum.advance_second_halves)."""
   params = dict(axis_name=axis, scatter_dimension=0, tiled=True)
-  composed = _permute_forms.compose("psum_scatter", params, flat, user_frame(),
-                                    first_half=True)
-  if composed is not None:
-    return composed
   fn = lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=0, tiled=True)
   return _start_future("psum_scatter", fn, flat, params, first_half=True)
 
