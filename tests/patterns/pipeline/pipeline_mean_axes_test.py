@@ -188,3 +188,16 @@ def test_bad_mean_axes_are_refused(mean_axes, error, match):
   loss = _pipelined(_mesh(pp=2, dp=2), P(None, "dp"), mean_axes, outside="dp")
   with pytest.raises(error, match=match):
     jax.eval_shape(loss, w, emb, xs, ts)
+
+
+def test_mean_axes_without_varying_types_is_refused():
+  """Under check_vma=False nothing says which weights are replicated over
+  'dp': refused, where it would silently leave the loss unaveraged."""
+  w, _, xs, ts = _data()
+
+  def body(w, xs, ts):
+    return pipeline_loss(_stage, mse, w, xs, ts, axis="pp", mean_axes="dp")[None]
+  loss = jax.shard_map(body, mesh=_mesh(pp=2, dp=2), in_specs=(P("pp"), P(None, "dp"),
+                       P(None, "dp")), out_specs=P("dp"), check_vma=False)
+  with pytest.raises(ValueError, match="check_vma=False"):
+    jax.eval_shape(loss, pipeline_stage_layout(w, 2), xs, ts)

@@ -169,8 +169,8 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   """
   recompute = choose_recompute(recompute)
   p = _checks.axis_size(axis)
-  mean_axes = _mean_axes(mean_axes, axis)
   m = _checks.check_shapes(stage_params, xs, targets, virtual_stages, axis)
+  mean_axes = _mean_axes(mean_axes, axis, xs)
   if dispatch is not None and dispatch not in DISPATCHES:
     raise ValueError(f"pipeline_loss(dispatch={dispatch!r}): expected one of "
                      f"{DISPATCHES} or None (chosen from the model).")
@@ -223,9 +223,10 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   return (loss, aux) if has_aux else loss
 
 
-def _mean_axes(mean_axes, axis) -> tuple:
+def _mean_axes(mean_axes, axis, xs) -> tuple:
   """`mean_axes` as a tuple of bound mesh axis names, none of them the
-  pipeline axis; raises naming the argument otherwise."""
+  pipeline axis, in a trace that tracks what varies over them; raises
+  naming the argument otherwise."""
   names = (mean_axes,) if isinstance(mean_axes, str) else tuple(mean_axes)
   pipeline = {axis} if isinstance(axis, str) else set(axis)
   for name in names:
@@ -243,6 +244,12 @@ def _mean_axes(mean_axes, axis) -> tuple:
           "bound here; name axes of the enclosing jax.shard_map's mesh.")
   if len(set(names)) != len(names):
     raise ValueError(f"pipeline_loss(mean_axes={mean_axes!r}) names an axis twice.")
+  if names and _compat.varying_axes(jax.tree.leaves(xs)[0]) is None:
+    raise ValueError(
+        f"pipeline_loss(mean_axes={mean_axes!r}) needs the axes each input "
+        "varies over, which jax.shard_map(..., check_vma=False) does not "
+        "track: it could not tell which weights are replicated over them. "
+        "Use check_vma=True (the default), or pmean the loss outside.")
   return names
 
 
