@@ -117,8 +117,11 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       cotangent is then the same on each of their devices, so the sum over
       them of each stage weight's gradient (a weight replicated over them)
       no longer waits for the cotangent's scaling: it is started as a
-      future once the schedule's ticks end, one a leaf, each free to run
-      beside what is left to compute, and finished at the end. Default ():
+      future once the schedule's ticks end, one a leaf (on TPU, where one
+      all-to-all may be in flight, the leaves joined in one), free to run
+      beside what is left to compute, and finished at the end (a leaf's
+      gradient is final only after the stage's last backward, so what runs
+      beside it is that tick's end, not its matmuls). Default ():
       the loss varies over them and the caller `pmean`s it; the sums then
       follow the backward rule's scaling, after everything else.
       Values and gradients equal the pmean's (tests/patterns/pipeline/
