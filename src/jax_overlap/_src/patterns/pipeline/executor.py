@@ -22,7 +22,9 @@ action the tick holds, each device's flags masking what it keeps
 (work.py). A DualPipeV F&B cell runs both its parts at its tick: switch's
 branch runs the forward then the backward (they touch different rows);
 lockstep's F slot and B slot each read their own part's microbatch, chunk
-and row. Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
+and row, the B slot from the buffers as the tick starts (`_beside`), so
+nothing of one part's compute waits for the other's collectives (an MoE
+stage's all-to-alls). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
 reads the parameters through a barrier on the loss the tick before starts
 from (`_gate`), so its weight gathers start a tick or two early at most.
 Values and gradients equal the plain model's:
@@ -31,6 +33,7 @@ tests/patterns/pipeline/pipeline_loss_test.py, pipeline_compose_test.py.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -250,6 +253,7 @@ def _lockstep_tick(tick, work, operands, me):
   kinds = [k for k in (F, B, I, W) if any(v[0] == k for vs in per_device for v in vs)]
   flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)
   state, out_fwd, out_bwd = work.idle(operands)
+  before = state
   picks = _picks(tick, me)
   sent_back = None
   for kind in kinds:
@@ -265,8 +269,15 @@ def _lockstep_tick(tick, work, operands, me):
     else:
       use2 = flag([k == 1 for k in part])
       pick = tuple(jnp.where(use2, b, a) for a, b in zip(*picks))
-    ops = (state,) + operands[1:5] + pick
-    state, fwd, bwd = work.action(kind, first, last, active)(ops)
+    if tick.second and kind != F:
+      # A Pair's backward reads the rows the tick starts with: nothing of
+      # the forward slot (other rows), so the two parts can overlap.
+      state, fwd, bwd = _beside(work.action(kind, first, last, active), before,
+                                state, operands[1:5] + pick, kind)
+    else:
+      ops = (state,) + operands[1:5] + pick
+      with _pair_scope(tick, "pair_forward"):
+        state, fwd, bwd = work.action(kind, first, last, active)(ops)
     if kind == F:
       out_fwd = fwd
     elif kind in (B, I):   # a W sends nothing
@@ -275,3 +286,33 @@ def _lockstep_tick(tick, work, operands, me):
           lambda new, old: jnp.where(active, new, old), bwd, out_bwd)
       sent_back = kind
   return state, out_fwd, out_bwd
+
+
+#: The buffers a backward action only reads (work.py writes them in forward
+#: actions): a Pair's backward reads them as its tick starts.
+_READ_ONLY = ("inputs", "dys", "res")
+
+
+def _pair_scope(tick, name):
+  """`jax.named_scope(name)` in a Pair tick (profiles and
+  tests/aot/dualpipev_moe_compiled_test.py tell its two parts apart by it),
+  nothing elsewhere."""
+  return jax.named_scope(name) if tick.second else contextlib.nullcontext()
+
+
+def _beside(action, before, state, rest, kind):
+  """`action` (a backward slot of a Pair tick) reading the rows of
+  `before`, the state the tick started with, and accumulating into
+  `state`, the forward slot's: the backward's inputs do not depend on the
+  forward slot's writes (a Pair's two parts touch different rows), so the
+  compiler may run either part's compute while the other's collectives are
+  in flight. The values are those of reading `state` (the rows it reads are
+  the same); the accumulators (gradients, dconsts) are added to in the same
+  order. Pinned by tests/patterns/pipeline/dualpipev_moe_test.py."""
+  read = dict(state)
+  read.update({k: before[k] for k in _READ_ONLY if k in before})
+  with jax.named_scope("pair_backward"):
+    out, fwd, bwd = action((read,) + tuple(rest))
+  out = dict(out)
+  out.update({k: state[k] for k in _READ_ONLY if k in state})
+  return out, fwd, bwd
