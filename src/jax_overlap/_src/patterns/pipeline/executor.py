@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap._src.collectives.api import ppermute_start
+from jax_overlap._src.ordering.barrier_op import barrier
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
@@ -254,6 +255,8 @@ def _lockstep_tick(tick, work, operands, me):
   flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)
   state, out_fwd, out_bwd = work.idle(operands)
   before = state
+  if tick.second:
+    state = _fenced(state)
   picks = _picks(tick, me)
   sent_back = None
   for kind in kinds:
@@ -293,6 +296,21 @@ def _lockstep_tick(tick, work, operands, me):
 _READ_ONLY = ("inputs", "dys", "res")
 
 
+def _fenced(state):
+  """`state` with the buffers a Pair's backward reads passed through one
+  optimization barrier: the forward slot writes into the barrier's outputs
+  and the backward slot reads the inputs (`_beside`), so XLA cannot fuse a
+  backward's row read with the forward's in-place write of the same buffer
+  (a multi-output fusion that made the v5e's backward wait for the
+  forward's loss, hence for its all-to-alls:
+  tests/aot/dualpipev_moe_compiled_test.py)."""
+  keys = [k for k in _READ_ONLY if k in state]
+  leaves, tree = jax.tree.flatten([state[k] for k in keys])
+  out = dict(state)
+  out.update(zip(keys, jax.tree.unflatten(tree, barrier(leaves))))
+  return out
+
+
 def _pair_scope(tick, name):
   """`jax.named_scope(name)` in a Pair tick (profiles and
   tests/aot/dualpipev_moe_compiled_test.py tell its two parts apart by it),
@@ -310,9 +328,25 @@ def _beside(action, before, state, rest, kind):
   the same); the accumulators (gradients, dconsts) are added to in the same
   order. Pinned by tests/patterns/pipeline/dualpipev_moe_test.py."""
   read = dict(state)
-  read.update({k: before[k] for k in _READ_ONLY if k in before})
+  keys = [k for k in _READ_ONLY if k in before]
+  # The backward's own copies of what it reads (one barrier): the H100's
+  # sibling fusion merged a backward piece with the forward's residual add
+  # through their shared operands, making the backward wait.
+  leaves, tree = jax.tree.flatten(([before[k] for k in keys], tuple(rest)))
+  at = [k for k, a in enumerate(leaves) if _barrierable(a)]
+  for k, a in zip(at, barrier([leaves[k] for k in at])):
+    leaves[k] = a
+  rows, rest = jax.tree.unflatten(tree, leaves)
+  read.update(zip(keys, rows))
   with jax.named_scope("pair_backward"):
     out, fwd, bwd = action((read,) + tuple(rest))
   out = dict(out)
   out.update({k: state[k] for k in _READ_ONLY if k in state})
   return out, fwd, bwd
+
+
+def _barrierable(a) -> bool:
+  """An array an optimization barrier takes (not a key, not a Python
+  value)."""
+  return isinstance(a, jax.Array) and not jnp.issubdtype(
+      a.dtype, jax.dtypes.extended)
