@@ -2,8 +2,9 @@
 gradients equal the sequential model's.
 
 The stage holds all-to-alls over 'ep', so the pipeline runs in lockstep; in
-a DualPipeV F&B tick the backward slot reads the rows the tick started with
-(executor.py `_beside`), not the forward slot's state. Its values must be
+a DualPipeV F&B tick the backward slot reads the rows the tick started with,
+through an optimization barrier of its own (executor.py `_beside`), not the
+forward slot's state. Its values must be
 those of the sequential model: the same stages, one after the other, in a
 `shard_map` over 'ep' alone. Capacity 3 of an average of 2 a (device,
 expert) pair drops some (token, choice) pairs, the same ones on both sides

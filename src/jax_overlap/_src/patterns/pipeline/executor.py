@@ -22,9 +22,10 @@ action the tick holds, each device's flags masking what it keeps
 (work.py). A DualPipeV F&B cell runs both its parts at its tick: switch's
 branch runs the forward then the backward (they touch different rows);
 lockstep's F slot and B slot each read their own part's microbatch, chunk
-and row, the B slot from the buffers as the tick starts (`_beside`), so
-nothing of one part's compute waits for the other's collectives (an MoE
-stage's all-to-alls). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
+and row, the B slot from the buffers as the tick starts, each part on its
+own side of an optimization barrier (`_fenced`, `_beside`), so nothing of
+one part's compute waits for the other's collectives (an MoE stage's
+all-to-alls; tests/aot/dualpipev_moe_compiled_test.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
 reads the parameters through a barrier on the loss the tick before starts
 from (`_gate`), so its weight gathers start a tick or two early at most.
 Values and gradients equal the plain model's:
