@@ -22,7 +22,10 @@ action the tick holds, each device's flags masking what it keeps
 (work.py). A DualPipeV F&B cell runs both its parts at its tick: switch's
 branch runs the forward then the backward (they touch different rows);
 lockstep's F slot and B slot each read their own part's microbatch, chunk
-and row. Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
+and row, the B slot from the buffers as the tick starts, each part on its
+own side of an optimization barrier (`_fenced`, `_beside`), so nothing of
+one part's compute waits for the other's collectives (an MoE stage's
+all-to-alls; tests/aot/dualpipev_moe_compiled_test.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
 reads the parameters through a barrier on the loss the tick before starts
 from (`_gate`), so its weight gathers start a tick or two early at most.
 Values and gradients equal the plain model's:
@@ -31,6 +34,7 @@ tests/patterns/pipeline/pipeline_loss_test.py, pipeline_compose_test.py.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
 from jax_overlap._src.collectives.api import ppermute_start, psum_start
+from jax_overlap._src.ordering.barrier_op import barrier
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
@@ -309,6 +314,9 @@ def _lockstep_tick(tick, work, operands, me):
   kinds = [k for k in (F, B, I, W) if any(v[0] == k for vs in per_device for v in vs)]
   flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)
   state, out_fwd, out_bwd = work.idle(operands)
+  before = state
+  if tick.second:
+    state = _fenced(state)
   picks = _picks(tick, me)
   sent_back = None
   for kind in kinds:
@@ -324,8 +332,15 @@ def _lockstep_tick(tick, work, operands, me):
     else:
       use2 = flag([k == 1 for k in part])
       pick = tuple(jnp.where(use2, b, a) for a, b in zip(*picks))
-    ops = (state,) + operands[1:5] + pick
-    state, fwd, bwd = work.action(kind, first, last, active)(ops)
+    if tick.second and kind != F:
+      # A Pair's backward reads the rows the tick starts with: nothing of
+      # the forward slot (other rows), so the two parts can overlap.
+      state, fwd, bwd = _beside(work.action(kind, first, last, active), before,
+                                state, operands[1:5] + pick, kind)
+    else:
+      ops = (state,) + operands[1:5] + pick
+      with _pair_scope(tick, "pair_forward"):
+        state, fwd, bwd = work.action(kind, first, last, active)(ops)
     if kind == F:
       out_fwd = fwd
     elif kind in (B, I):   # a W sends nothing
@@ -334,3 +349,64 @@ def _lockstep_tick(tick, work, operands, me):
           lambda new, old: jnp.where(active, new, old), bwd, out_bwd)
       sent_back = kind
   return state, out_fwd, out_bwd
+
+
+#: The buffers a backward action only reads (work.py writes them in forward
+#: actions): a Pair's backward reads them as its tick starts.
+_READ_ONLY = ("inputs", "dys", "res")
+
+
+def _fenced(state):
+  """`state` with the buffers a Pair's backward reads passed through one
+  optimization barrier: the forward slot writes into the barrier's outputs
+  and the backward slot reads the inputs (`_beside`), so XLA cannot fuse a
+  backward's row read with the forward's in-place write of the same buffer
+  (a multi-output fusion that made the v5e's backward wait for the
+  forward's loss, hence for its all-to-alls:
+  tests/aot/dualpipev_moe_compiled_test.py)."""
+  keys = [k for k in _READ_ONLY if k in state]
+  leaves, tree = jax.tree.flatten([state[k] for k in keys])
+  out = dict(state)
+  out.update(zip(keys, jax.tree.unflatten(tree, barrier(leaves))))
+  return out
+
+
+def _pair_scope(tick, name):
+  """`jax.named_scope(name)` in a Pair tick (profiles and
+  tests/aot/dualpipev_moe_compiled_test.py tell its two parts apart by it),
+  nothing elsewhere."""
+  return jax.named_scope(name) if tick.second else contextlib.nullcontext()
+
+
+def _beside(action, before, state, rest, kind):
+  """`action` (a backward slot of a Pair tick) reading the rows of
+  `before`, the state the tick started with, and accumulating into
+  `state`, the forward slot's: the backward's inputs do not depend on the
+  forward slot's writes (a Pair's two parts touch different rows), so the
+  compiler may run either part's compute while the other's collectives are
+  in flight. The values are those of reading `state` (the rows it reads are
+  the same); the accumulators (gradients, dconsts) are added to in the same
+  order. Pinned by tests/patterns/pipeline/dualpipev_moe_test.py."""
+  read = dict(state)
+  keys = [k for k in _READ_ONLY if k in before]
+  # The backward's own copies of what it reads (one barrier): the H100's
+  # sibling fusion merged a backward piece with the forward's residual add
+  # through their shared operands, making the backward wait.
+  leaves, tree = jax.tree.flatten(([before[k] for k in keys], tuple(rest)))
+  at = [k for k, a in enumerate(leaves) if _barrierable(a)]
+  for k, a in zip(at, barrier([leaves[k] for k in at])):
+    leaves[k] = a
+  rows, rest = jax.tree.unflatten(tree, leaves)
+  read.update(zip(keys, rows))
+  with jax.named_scope("pair_backward"):
+    out, fwd, bwd = action((read,) + tuple(rest))
+  out = dict(out)
+  out.update({k: state[k] for k in _READ_ONLY if k in state})
+  return out, fwd, bwd
+
+
+def _barrierable(a) -> bool:
+  """An array an optimization barrier takes (not a key, not a Python
+  value)."""
+  return isinstance(a, jax.Array) and not jnp.issubdtype(
+      a.dtype, jax.dtypes.extended)
