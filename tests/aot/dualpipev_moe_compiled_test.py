@@ -11,7 +11,7 @@ The executor names the two parts' compute `pair_forward` and
 What holds: on the v5e, in each Pair tick nothing of the backward part
 waits for the forward part's all-to-alls
 (`test_a_pairs_backward_does_not_wait_for_its_forward`; before executor.py's
-`_beside` the backward slot read the buffers after the forward slot wrote
+`pair_fences.beside` the backward slot read the buffers after the forward slot wrote
 other rows of them, and all of it waited); on the H100, 10 of the 32
 Pair-tick all-to-alls have the other part's matmul in flight. What is not
 built (`test_each_all_to_all_has_the_other_parts_matmul_in_flight`, a strict
@@ -154,7 +154,7 @@ def test_a_pairs_backward_does_not_wait_for_its_forward():
 
 
 def test_on_the_h100_some_all_to_alls_have_the_other_parts_matmul_in_flight():
-  """Measured 10 of 32, 0 of 32 before `_beside` (the H100 compiler schedules independent compute into
+  """Measured 10 of 32, 0 of 32 before `pair_fences.beside` (the H100 compiler schedules independent compute into
   an async window; the v5e's scheduler keeps each part's pieces together: 1
   of 48)."""
   pairs = _pair_windows(_compiled("gpu_h100"))

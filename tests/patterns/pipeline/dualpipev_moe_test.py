@@ -3,7 +3,7 @@ gradients equal the sequential model's.
 
 The stage holds all-to-alls over 'ep', so the pipeline runs in lockstep; in
 a DualPipeV F&B tick the backward slot reads the rows the tick started with,
-through an optimization barrier of its own (executor.py `_beside`), not the
+through an optimization barrier of its own (pair_fences.py `beside`), not the
 forward slot's state. Its values must be
 those of the sequential model: the same stages, one after the other, in a
 `shard_map` over 'ep' alone. Capacity 3 of an average of 2 a (device,
@@ -92,7 +92,7 @@ def _sequential(w, xs, ts):
 
 
 def test_the_plan_has_pair_ticks():
-  """The case below runs F&B cells (else it would not test `_beside`)."""
+  """The case below runs F&B cells (else it would not test `beside`)."""
   plan = placing.pipeline_schedule("dualpipev", P_STAGES, M, 2)
   assert any(t.second for t in buffers.program(plan).ticks)
 

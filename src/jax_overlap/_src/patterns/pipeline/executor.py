@@ -23,7 +23,7 @@ action the tick holds, each device's flags masking what it keeps
 branch runs the forward then the backward (they touch different rows);
 lockstep's F slot and B slot each read their own part's microbatch, chunk
 and row, the B slot from the buffers as the tick starts, each part on its
-own side of an optimization barrier (`_fenced`, `_beside`), so nothing of
+own side of an optimization barrier (pair_fences.py), so nothing of
 one part's compute waits for the other's collectives (an MoE stage's
 all-to-alls; tests/aot/dualpipev_moe_compiled_test.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
 reads the parameters through a barrier on the loss the tick before starts
@@ -34,19 +34,18 @@ tests/patterns/pipeline/pipeline_loss_test.py, pipeline_compose_test.py.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax_overlap._src import _compat
-from jax_overlap._src.collectives import tpu_forms as _tpu_forms
-from jax_overlap._src.collectives.api import ppermute_start, psum_start
-from jax_overlap._src.ordering.barrier_op import barrier
+from jax_overlap._src.collectives.api import ppermute_start
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
+from jax_overlap._src.patterns.pipeline import mean_sums as _mean_sums
+from jax_overlap._src.patterns.pipeline import pair_fences as _pair_fences
 from jax_overlap._src.patterns.pipeline import residuals as _residuals
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
@@ -77,7 +76,7 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   varies over (`all_axes`), which the buffers and sends vary over.
   `mean_axes` (some of `axes`): the loss is also averaged over them, and
   the parts of the leaves of `params` that do not vary over them come back
-  summed over them (`_start_mean_sums`)."""
+  summed over them (mean_sums.py)."""
   prog = _buffers.program(plan)
   m = plan.microbatches
   vary = lambda a: _varying.vary_over(a, axes)
@@ -129,7 +128,7 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
           state[send.buffer] = _write_all(state[send.buffer],
                                           [f.done() for f in futs], send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
-  finish = _start_mean_sums(state["grads"], params, mean_axes) if with_grads else None
+  finish = _mean_sums.start(state["grads"], params, mean_axes) if with_grads else None
   # only the last stage's are not 0; the mean over `mean_axes` too
   with moving(sum_label("the loss")):   # the report's leaf (tick_names.py)
     over = (axis,) + tuple(mean_axes) if isinstance(axis, str) else (
@@ -140,57 +139,6 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   if not with_grads:
     return loss, aux
   return (loss, aux, finish(), state["dconsts"], state["dxs"], state["dtargets"])
-
-
-def _start_mean_sums(grads, params, mean_axes):
-  """Starts the sums of the gradient parts `grads` of the float leaves of
-  `params` over those of `mean_axes` each leaf does not vary over (a weight
-  replicated over a data-parallel axis); returns a function finishing them,
-  which gives the summed parts. Started once the ticks end, before
-  `pipeline_loss`'s backward rule scales the parts by the loss's cotangent
-  (invariant over `mean_axes`, so the scaling commutes with the sum), so the
-  sums run beside what is left to compute.
-
-  One `psum_start` future a leaf, each free to start as soon as its leaf is
-  final. Where `psum_start` takes its TPU form (quirks row
-  "tpu-collective-forms"), whose all-to-all the compiler keeps one in flight
-  at a time (another started beside it runs synchronously), the leaves
-  summed over one axis share one future a dtype (their parts flattened and
-  joined), and a sum over several axes, which has no TPU form, is the
-  `psum` autodiff made. Pinned by
-  tests/patterns/pipeline/pipeline_mean_axes_test.py (the futures) and
-  tests/aot/llama_4d_compiled_test.py ("DP gradient sums": H100 one future
-  a leaf, v5e one joined)."""
-  join = _tpu_forms.wanted("psum")
-  groups: dict = {}
-  for k, like in enumerate(float_leaves(params)):
-    over = tuple(a for a in mean_axes if a not in _varying.varying(like))
-    if over:
-      key = (over, grads[k].dtype) if join else k
-      groups.setdefault(key, (over, []))[1].append(k)
-  out = list(grads)
-  started = []
-  with moving(sum_label("the gradient of stage_params")):
-    for over, ks in groups.values():
-      if join and len(over) > 1:
-        for k in ks:
-          out[k] = jax.lax.psum(grads[k], over)
-        continue
-      flat = (grads[ks[0]] if len(ks) == 1 else
-              jnp.concatenate([grads[k].reshape(-1) for k in ks]))
-      started.append((ks, psum_start(flat, over if len(over) > 1 else over[0])))
-
-  def finish():
-    for ks, future in started:
-      flat, at = future.done(), 0
-      if len(ks) == 1:
-        out[ks[0]] = flat
-        continue
-      for k in ks:
-        out[k] = flat[at:at + grads[k].size].reshape(grads[k].shape)
-        at += grads[k].size
-    return out
-  return finish
 
 
 def all_axes(tree, axis) -> tuple:
@@ -316,7 +264,7 @@ def _lockstep_tick(tick, work, operands, me):
   state, out_fwd, out_bwd = work.idle(operands)
   before = state
   if tick.second:
-    state = _fenced(state)
+    state = _pair_fences.fenced(state)
   picks = _picks(tick, me)
   sent_back = None
   for kind in kinds:
@@ -335,11 +283,11 @@ def _lockstep_tick(tick, work, operands, me):
     if tick.second and kind != F:
       # A Pair's backward reads the rows the tick starts with: nothing of
       # the forward slot (other rows), so the two parts can overlap.
-      state, fwd, bwd = _beside(work.action(kind, first, last, active), before,
+      state, fwd, bwd = _pair_fences.beside(work.action(kind, first, last, active), before,
                                 state, operands[1:5] + pick, kind)
     else:
       ops = (state,) + operands[1:5] + pick
-      with _pair_scope(tick, "pair_forward"):
+      with _pair_fences.scope(tick, "pair_forward"):
         state, fwd, bwd = work.action(kind, first, last, active)(ops)
     if kind == F:
       out_fwd = fwd
@@ -349,64 +297,3 @@ def _lockstep_tick(tick, work, operands, me):
           lambda new, old: jnp.where(active, new, old), bwd, out_bwd)
       sent_back = kind
   return state, out_fwd, out_bwd
-
-
-#: The buffers a backward action only reads (work.py writes them in forward
-#: actions): a Pair's backward reads them as its tick starts.
-_READ_ONLY = ("inputs", "dys", "res")
-
-
-def _fenced(state):
-  """`state` with the buffers a Pair's backward reads passed through one
-  optimization barrier: the forward slot writes into the barrier's outputs
-  and the backward slot reads the inputs (`_beside`), so XLA cannot fuse a
-  backward's row read with the forward's in-place write of the same buffer
-  (a multi-output fusion that made the v5e's backward wait for the
-  forward's loss, hence for its all-to-alls:
-  tests/aot/dualpipev_moe_compiled_test.py)."""
-  keys = [k for k in _READ_ONLY if k in state]
-  leaves, tree = jax.tree.flatten([state[k] for k in keys])
-  out = dict(state)
-  out.update(zip(keys, jax.tree.unflatten(tree, barrier(leaves))))
-  return out
-
-
-def _pair_scope(tick, name):
-  """`jax.named_scope(name)` in a Pair tick (profiles and
-  tests/aot/dualpipev_moe_compiled_test.py tell its two parts apart by it),
-  nothing elsewhere."""
-  return jax.named_scope(name) if tick.second else contextlib.nullcontext()
-
-
-def _beside(action, before, state, rest, kind):
-  """`action` (a backward slot of a Pair tick) reading the rows of
-  `before`, the state the tick started with, and accumulating into
-  `state`, the forward slot's: the backward's inputs do not depend on the
-  forward slot's writes (a Pair's two parts touch different rows), so the
-  compiler may run either part's compute while the other's collectives are
-  in flight. The values are those of reading `state` (the rows it reads are
-  the same); the accumulators (gradients, dconsts) are added to in the same
-  order. Pinned by tests/patterns/pipeline/dualpipev_moe_test.py."""
-  read = dict(state)
-  keys = [k for k in _READ_ONLY if k in before]
-  # The backward's own copies of what it reads (one barrier): the H100's
-  # sibling fusion merged a backward piece with the forward's residual add
-  # through their shared operands, making the backward wait.
-  leaves, tree = jax.tree.flatten(([before[k] for k in keys], tuple(rest)))
-  at = [k for k, a in enumerate(leaves) if _barrierable(a)]
-  for k, a in zip(at, barrier([leaves[k] for k in at])):
-    leaves[k] = a
-  rows, rest = jax.tree.unflatten(tree, leaves)
-  read.update(zip(keys, rows))
-  with jax.named_scope("pair_backward"):
-    out, fwd, bwd = action((read,) + tuple(rest))
-  out = dict(out)
-  out.update({k: state[k] for k in _READ_ONLY if k in state})
-  return out, fwd, bwd
-
-
-def _barrierable(a) -> bool:
-  """An array an optimization barrier takes (not a key, not a Python
-  value)."""
-  return isinstance(a, jax.Array) and not jnp.issubdtype(
-      a.dtype, jax.dtypes.extended)
