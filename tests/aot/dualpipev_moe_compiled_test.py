@@ -6,11 +6,11 @@ p=2 on 'pp' x 4 on 'ep' (the topology's 8 devices), m=4 (DualPipeV's least,
 pipeline runs in lockstep, and its F&B ticks (`Pair` cells) run a forward
 and a backward of different microbatches, each with its MoE all-to-alls.
 The executor names the two parts' compute `pair_forward` and
-`pair_backward` (executor.py `_pair_scope`).
+`pair_backward` (pair_fences.py `scope`).
 
 What holds: on the v5e, in each Pair tick nothing of the backward part
 waits for the forward part's all-to-alls
-(`test_a_pairs_backward_does_not_wait_for_its_forward`; before executor.py's
+(`test_a_pairs_backward_does_not_wait_for_its_forward`; before
 `pair_fences.beside` the backward slot read the buffers after the forward slot wrote
 other rows of them, and all of it waited); on the H100, 10 of the 32
 Pair-tick all-to-alls have the other part's matmul in flight. What is not
