@@ -7,9 +7,10 @@ FSDP devices, each stage an `fsdp_scan` over its 2 blocks, 8 microbatches
 of 2 sequences (one a device), f32, the training loss's `value_and_grad`:
 
   gpipe / 1f1b / zb-h1   `jax_overlap.pipeline_loss(..., schedule=...)`: the
-                         schedule runs the backward, sends are
-                         `ppermute_start` futures in flight over the next
-                         tick.
+  interleaved / zb-v     schedule runs the backward, sends are
+  dualpipev              `ppermute_start` futures in flight over the next
+                         tick; interleaved, ZB-V and DualPipeV run two
+                         chunks a device (8 stages of 1 block).
   1f1b, gathered once    1F1B with each stage's blocks gathered over FSDP
   [, recompute]          once, before the pipeline (MaxText's ag_once), each
                          stage its blocks unrolled; `recompute=True` or the
@@ -67,7 +68,8 @@ from jax_overlap._src.patterns import varying as _varying  # noqa: E402
 
 PROFILE = {"gpu_h100": "h100", "tpu_v5e": "tpu-v5e"}
 STAGES, FSDP = 4, 2
-VARIANTS = ("gpipe", "1f1b", "zb-h1", "1f1b, gathered once",
+VARIANTS = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev",
+            "1f1b, gathered once",
             "1f1b, gathered once, recompute", "shift (MaxText)")
 #: variant -> pipelined_loss's keywords for the variants beyond a schedule
 #: (docs/pipeline.md "Gathering a stage's weights once a step").
@@ -125,7 +127,9 @@ def _mesh(target):
 def program(variant, mesh, width, m):
   cfg = model.Config(vocab=32, d=width, heads=max(1, width // 128),
                      hidden=4 * width, layers=2 * STAGES, seq=512)
-  shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.key(0)))
+  schedule = variant if variant in VARIANTS[:6] else "1f1b"
+  shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.key(0),
+                                                schedule))
   specs = pipeline.specs(shapes)
   params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
       a.shape, a.dtype, sharding=NamedSharding(mesh, s)), shapes, specs)
@@ -144,7 +148,8 @@ def bubble(variant, m):
   if variant == "shift (MaxText)":
     return (STAGES - 1) / (m + STAGES - 1)
   schedule = "1f1b" if variant in HOW else variant
-  plan = jax_overlap.pipeline_schedule(schedule, STAGES, m)   # what pipeline_loss runs
+  plan = jax_overlap.pipeline_schedule(   # what pipeline_loss runs
+      schedule, STAGES, m, pipeline.chunks(schedule))
   return plan.simulate().bubble_fraction
 
 

@@ -12,7 +12,9 @@ same parameters inside one `jax.shard_map` over a mesh whose axes say how:
   after the last stage (`loss_fn` closes over their weights);
 - `fsdp`: each stage's blocks through `fsdp_scan`, every weight sharded over
   the model width, gathered a layer ahead; or `dp`: the weights replicated;
-  either way the batch is split over it and the loss `pmean`ed over it;
+  either way the batch is split over it and the loss `pmean`ed over it (with
+  `dp` by `pipeline_loss(..., mean_axes=)`, which then starts the weights'
+  gradient sums over `dp` when its ticks end);
 - `tp` (tensor parallel): heads and the MLP's hidden units split; with
   `tensor="collective"` the activations are split along the sequence and each
   block's projections are `all_gather_matmul` / `matmul_reduce_scatter` rings
@@ -494,20 +496,27 @@ class Plan:
       return lax.scan(lambda x, wi: (step(wi, x), None), x, w)[0]
 
     last = lambda y, t: head_loss(params, y, t)
-    if "pp" in self.axes:
-      split = lambda a: a.reshape((self.microbatches, -1) + a.shape[1:])
-      value = jax_overlap.pipeline_loss(
-          stage, last, blocks, split(tokens), split(targets), axis="pp",
-          schedule=self.schedule, before=lambda t: embed(params, t))
-    else:
-      value = last(stage(jax.tree.map(lambda a: a[0], blocks),
-                         embed(params, tokens)), targets)
     # each device's loss is its tokens' mean: the mean over the devices
     # holding other tokens is the model's. Under tensor="psum" the devices of
     # 'tp' hold the same tokens and loss; pipeline_loss's is typed varying
     # over 'tp' all the same (as every input axis), a plain psum's is not.
     others = tuple(a for a in self.axes if a != "pp" and not (
         a == "tp" and self.tensor == "psum" and "pp" not in self.axes))
+    averaged = ()
+    if "pp" in self.axes:
+      split = lambda a: a.reshape((self.microbatches, -1) + a.shape[1:])
+      # With 'dp' (the blocks replicated over it) pipeline_loss takes the
+      # mean itself, so each block weight's sum over 'dp' starts when the
+      # ticks end instead of after its backward rule (mean_axes).
+      averaged = others if "dp" in self.axes else ()
+      value = jax_overlap.pipeline_loss(
+          stage, last, blocks, split(tokens), split(targets), axis="pp",
+          schedule=self.schedule, before=lambda t: embed(params, t),
+          mean_axes=averaged)
+    else:
+      value = last(stage(jax.tree.map(lambda a: a[0], blocks),
+                         embed(params, tokens)), targets)
+    others = tuple(a for a in others if a not in averaged)
     return lax.pmean(value, others) if others else value
 
 

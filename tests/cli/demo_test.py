@@ -128,6 +128,8 @@ def test_pipeline_demo_bad_arguments():
   assert res.returncode == 2 and "--pipeline runs on 8 devices" in res.stderr
   res = _run(["--pipeline", "1f1b", "--microbatches", "2"])
   assert res.returncode == 2 and "--microbatches must be >= 4" in res.stderr
+  res = _run(["--pipeline", "dualpipev", "--microbatches", "4"])
+  assert res.returncode == 2 and "needs --microbatches >= 8" in res.stderr
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ runs collectives as memory copies), and writes timeline.png, trace.json
 (ui.perfetto.dev), report.json and loss.png to DIR. Ctrl-C stops after the
 current step and still writes everything.
 
-With --pipeline (gpipe, 1f1b or zb-h1) it
+With --pipeline (gpipe, 1f1b, zb-h1, interleaved, zb-v or dualpipev) it
 trains the same transformer over 4 pipeline stages x 2 FSDP devices with
 `pipeline_loss` instead, checks it against the model without a pipeline,
 and reports the pipelined step (a row per stage on the timeline: the bubble).
@@ -54,9 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "(default 1024; 0: the small step trained here, whose "
                       "transfers are too small to hide anything)")
   parser.add_argument("--pipeline", metavar="SCHEDULE", default=None,
-                      choices=("gpipe", "1f1b", "zb-h1"),
+                      choices=("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v",
+                               "dualpipev"),
                       help="train over 4 pipeline stages x 2 FSDP devices with "
-                      "this schedule (gpipe, 1f1b, zb-h1) instead of FSDP alone")
+                      "this schedule (gpipe, 1f1b, zb-h1; interleaved, zb-v, "
+                      "dualpipev with two chunks a device) instead of FSDP alone")
   parser.add_argument("--mesh", metavar="AXIS=N,...", default=None,
                       help="train examples/llama_4d.py's decoder on a mesh of these "
                       "axes: pp, fsdp or dp, tp or cp or ep (e.g. pp=2,fsdp=2,tp=2)")
@@ -78,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
                  f"--devices {args.devices}")
   if args.pipeline and args.microbatches < 4:
     return _fail(f"--microbatches must be >= 4 (the stages), got {args.microbatches}")
+  if args.pipeline == "dualpipev" and args.microbatches < 8:
+    return _fail(f"--pipeline dualpipev needs --microbatches >= 8 (twice the "
+                 f"stages), got {args.microbatches}")
+  if args.pipeline == "interleaved" and args.microbatches % 4:
+    return _fail(f"--pipeline interleaved needs --microbatches a multiple of 4 "
+                 f"(the stages), got {args.microbatches}")
   if args.devices < 1 or 64 % args.devices:
     return _fail(f"--devices must divide 64 (the model's width), got {args.devices}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

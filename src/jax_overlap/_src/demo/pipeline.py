@@ -1,5 +1,7 @@
 """The demo's transformer pipelined: its blocks in p stages over mesh axis
-'pp', each stage an `fsdp_scan` over its blocks sharded over 'fsdp'.
+'pp' (2p, two chunks a device, for interleaved, ZB-V and DualPipeV, laid out
+by `pipeline_stage_layout`), each stage an `fsdp_scan` over its blocks
+sharded over 'fsdp'.
 
 `pipeline_loss` takes a loss of the last stage's activation alone (no
 parameters), so this model reads its logits off the first `vocab` features
@@ -18,17 +20,29 @@ from jax_overlap._src.demo import model
 
 PP, FSDP = "pp", "fsdp"
 
+#: Chunks a device for the schedules that run more than one.
+CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
 
-def init(cfg: model.Config, stages: int, key) -> dict:
-  """`embed` (vocab, d) replicated; `blocks`, every leaf [p, layers/p, ...]."""
-  if cfg.layers % stages or cfg.vocab > cfg.d:
+
+def chunks(schedule: str) -> int:
+  return CHUNKS.get(schedule, 1)
+
+
+def init(cfg: model.Config, stages: int, key, schedule: str = "1f1b") -> dict:
+  """`embed` (vocab, d) replicated; `blocks`, every leaf [p*v, layers/(p*v),
+  ...], the p*v stages laid out for `schedule` (device d's entries
+  consecutive)."""
+  from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout  # noqa: PLC0415
+  n = stages * chunks(schedule)
+  if cfg.layers % n or cfg.vocab > cfg.d:
     raise ValueError(f"the pipelined demo needs layers ({cfg.layers}) a "
-                     f"multiple of stages ({stages}) and vocab ({cfg.vocab}) "
+                     f"multiple of stages x chunks ({n}) and vocab ({cfg.vocab}) "
                      f"<= width ({cfg.d})")
   params = model.init(cfg, key)
-  return {"embed": params["embed"], "blocks": jax.tree.map(
-      lambda a: a.reshape((stages, cfg.layers // stages) + a.shape[1:]),
-      params["blocks"])}
+  blocks = jax.tree.map(lambda a: a.reshape((n, cfg.layers // n) + a.shape[1:]),
+                        params["blocks"])
+  return {"embed": params["embed"],
+          "blocks": pipeline_stage_layout(blocks, stages, schedule=schedule)}
 
 
 def specs(params: dict) -> dict:
@@ -78,18 +92,23 @@ def pipelined_loss(cfg: model.Config, mesh, param_specs, microbatches: int,
           lambda a: jax.lax.all_gather(a, FSDP, axis=2, tiled=True), blocks)
     how = {} if recompute is None else {"recompute": recompute}
     loss = pipeline_loss(stage, logits_loss(cfg.vocab), blocks, xs,
-                         split(targets), axis=PP, schedule=schedule, **how)
+                         split(targets), axis=PP, schedule=schedule,
+                         virtual_stages=chunks(schedule), **how)
     return jax.lax.pmean(loss, FSDP)
 
   return jax.shard_map(body, mesh=mesh,
                        in_specs=(param_specs, P(FSDP), P(FSDP)), out_specs=P())
 
 
-def sequential_loss(cfg: model.Config):
-  """The same model on one device, no pipeline: the reference."""
+def sequential_loss(cfg: model.Config, stages: int = 4, schedule: str = "1f1b"):
+  """The same model on one device, no pipeline: the reference (its blocks
+  taken back out of `schedule`'s layout over `stages` devices)."""
+  from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout  # noqa: PLC0415
+
   def loss(params, tokens, targets):
-    blocks = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]),
-                          params["blocks"])
+    blocks = pipeline_stage_layout(params["blocks"], stages, inverse=True,
+                                   schedule=schedule)
+    blocks = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), blocks)
     x = jax.lax.scan(lambda x, w: (model.block(cfg)(w, x), None),
                      model.embed(params, tokens), blocks)[0]
     return logits_loss(cfg.vocab)(x, targets)

@@ -44,16 +44,18 @@ def run(opts: training.Options, schedule: str, microbatches: int = 8) -> int:
   corpus = corpus_lib.Corpus(corpus_lib.generate())
   cfg = model.Config(vocab=corpus.vocab_size, layers=2 * STAGES)
   mesh = pipeline.mesh_of(STAGES, FSDP)
-  params = pipeline.init(cfg, STAGES, jax.random.PRNGKey(opts.seed))
+  v = pipeline.chunks(schedule)
+  params = pipeline.init(cfg, STAGES, jax.random.PRNGKey(opts.seed), schedule)
   param_specs = pipeline.specs(params)
   params = _place(params, mesh, param_specs)
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-  say(f"Model: decoder-only transformer, {cfg.layers} blocks in {STAGES} "
-      f"stages ({cfg.layers // STAGES} a stage, fsdp_scan over 'fsdp'), width "
+  say(f"Model: decoder-only transformer, {cfg.layers} blocks in {STAGES * v} "
+      f"stages ({cfg.layers // (STAGES * v)} a stage, {v} a device, fsdp_scan "
+      "over 'fsdp'), width "
       f"{cfg.d}, {n_params / 1e3:.0f}k parameters; {microbatches} microbatches "
       f"a step, schedule {schedule}.")
   from jax_overlap._src.patterns.pipeline.placing import pipeline_schedule  # noqa: PLC0415
-  plan = pipeline_schedule(schedule, STAGES, microbatches)
+  plan = pipeline_schedule(schedule, STAGES, microbatches, v)
   sim = plan.simulate()
   say(f"   The schedule: {len(plan.table)} ticks, bubble {sim.bubble_fraction:.1%}"
       f" under unit costs, peak activations a stage {list(sim.peak_activations)}"
@@ -68,7 +70,8 @@ def run(opts: training.Options, schedule: str, microbatches: int = 8) -> int:
       "pipeline (same batch, same weights)")
   grad_step = jax.jit(jax.value_and_grad(loss))   # compiled once: check, training, report
   (l1, g1) = grad_step(params, *probe)
-  (l2, g2) = jax.jit(jax.value_and_grad(pipeline.sequential_loss(cfg)))(params, *probe)
+  (l2, g2) = jax.jit(jax.value_and_grad(pipeline.sequential_loss(
+      cfg, STAGES, schedule)))(params, *probe)
   diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
              for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)))
   same = abs(float(l1) - float(l2)) < 1e-4 and diff < 1e-4
@@ -126,7 +129,8 @@ def _report(cfg, width, mesh, microbatches, schedule, hardware, grad_step=None):
   if width != cfg.d:
     cfg = dataclasses.replace(cfg, d=width, hidden=4 * width,
                               heads=max(1, width // 128), seq=512)
-  shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.PRNGKey(0)))
+  shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.PRNGKey(0),
+                                                schedule))
   param_specs = pipeline.specs(shapes)
   params = _shapes(shapes, mesh, param_specs)
   tokens = jax.ShapeDtypeStruct((microbatches * FSDP, cfg.seq), jnp.int32,

@@ -36,7 +36,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_overlap._src.collectives.api import ppermute_start
+from jax_overlap._src import _compat
+from jax_overlap._src.collectives import tpu_forms as _tpu_forms
+from jax_overlap._src.collectives.api import ppermute_start, psum_start
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import buffers as _buffers
@@ -60,14 +62,17 @@ _VARIANT = {_buffers.IDLE: None, _buffers.F_FIRST: (F, True, False),
 
 def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
             targets, axis, *, axes: tuple, with_grads: bool, dispatch: str,
-            zero_act, zero_aux, recompute=False):
+            zero_act, zero_aux, recompute=False, mean_axes=()):
   """The mean loss, the aux values stacked over the microbatches and, with
   `with_grads`, this device's parts of the gradients of the summed loss / m
   with respect to the float leaves of `params` (its chunks), `consts`, `xs`
   and `targets`, as lists: each part varies over every axis an input does,
   and `reduce_like` sums it to its primal's type (after the loss's
   cotangent scales it: that may vary too). `axes`: every mesh axis an input
-  varies over (`all_axes`), which the buffers and sends vary over."""
+  varies over (`all_axes`), which the buffers and sends vary over.
+  `mean_axes` (some of `axes`): the loss is also averaged over them, and
+  the parts of the leaves of `params` that do not vary over them come back
+  summed over them (`_start_mean_sums`)."""
   prog = _buffers.program(plan)
   m = plan.microbatches
   vary = lambda a: _varying.vary_over(a, axes)
@@ -119,14 +124,68 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
           state[send.buffer] = _write_all(state[send.buffer],
                                           [f.done() for f in futs], send.slots, me)
   assert not pending, "a plan's last tick sends nothing"
-  # only the last stage's are not 0
+  finish = _start_mean_sums(state["grads"], params, mean_axes) if with_grads else None
+  # only the last stage's are not 0; the mean over `mean_axes` too
   with moving(sum_label("the loss")):   # the report's leaf (tick_names.py)
-    loss = jax.lax.psum(state["loss"], axis) / m
+    over = (axis,) + tuple(mean_axes) if isinstance(axis, str) else (
+        tuple(axis) + tuple(mean_axes))
+    loss = jax.lax.psum(state["loss"], over) / (
+        m * _compat.axis_size(tuple(mean_axes)))
     aux = jax.tree.map(lambda a: jax.lax.psum(a, axis), state["aux"])
   if not with_grads:
     return loss, aux
-  return (loss, aux, state["grads"], state["dconsts"], state["dxs"],
-          state["dtargets"])
+  return (loss, aux, finish(), state["dconsts"], state["dxs"], state["dtargets"])
+
+
+def _start_mean_sums(grads, params, mean_axes):
+  """Starts the sums of the gradient parts `grads` of the float leaves of
+  `params` over those of `mean_axes` each leaf does not vary over (a weight
+  replicated over a data-parallel axis); returns a function finishing them,
+  which gives the summed parts. Started once the ticks end, before
+  `pipeline_loss`'s backward rule scales the parts by the loss's cotangent
+  (invariant over `mean_axes`, so the scaling commutes with the sum), so the
+  sums run beside what is left to compute.
+
+  One `psum_start` future a leaf, each free to start as soon as its leaf is
+  final. Where `psum_start` takes its TPU form (quirks row
+  "tpu-collective-forms"), whose all-to-all the compiler keeps one in flight
+  at a time (another started beside it runs synchronously), the leaves
+  summed over one axis share one future a dtype (their parts flattened and
+  joined), and a sum over several axes, which has no TPU form, is the
+  `psum` autodiff made. Pinned by
+  tests/patterns/pipeline/pipeline_mean_axes_test.py (the futures) and
+  tests/aot/llama_4d_compiled_test.py ("DP gradient sums": H100 one future
+  a leaf, v5e one joined)."""
+  join = _tpu_forms.wanted("psum")
+  groups: dict = {}
+  for k, like in enumerate(float_leaves(params)):
+    over = tuple(a for a in mean_axes if a not in _varying.varying(like))
+    if over:
+      key = (over, grads[k].dtype) if join else k
+      groups.setdefault(key, (over, []))[1].append(k)
+  out = list(grads)
+  started = []
+  with moving(sum_label("the gradient of stage_params")):
+    for over, ks in groups.values():
+      if join and len(over) > 1:
+        for k in ks:
+          out[k] = jax.lax.psum(grads[k], over)
+        continue
+      flat = (grads[ks[0]] if len(ks) == 1 else
+              jnp.concatenate([grads[k].reshape(-1) for k in ks]))
+      started.append((ks, psum_start(flat, over if len(over) > 1 else over[0])))
+
+  def finish():
+    for ks, future in started:
+      flat, at = future.done(), 0
+      if len(ks) == 1:
+        out[ks[0]] = flat
+        continue
+      for k in ks:
+        out[k] = flat[at:at + grads[k].size].reshape(grads[k].shape)
+        at += grads[k].size
+    return out
+  return finish
 
 
 def all_axes(tree, axis) -> tuple:

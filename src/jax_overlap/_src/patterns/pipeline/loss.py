@@ -14,10 +14,12 @@ switches' sends). Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable
 
 import jax
 
+from jax_overlap._src import _compat
 from jax_overlap._src.patterns.pipeline import checks as _checks
 from jax_overlap._src.patterns.pipeline import placing as _placing
 from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
@@ -34,7 +36,8 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                   xs, targets, *, axis, schedule: str = "1f1b",
                   virtual_stages: int = 1, send_ticks: int | None = None,
                   before: Callable | None = None, has_aux: bool = False,
-                  dispatch: str | None = None, recompute=None):
+                  dispatch: str | None = None, recompute=None,
+                  mean_axes=()):
   """The mean over m microbatches of `loss_fn(stages(before(x)), target)`,
   the stages pipelined over the devices of `axis`; call inside
   `jax.shard_map`.
@@ -106,12 +109,31 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       costs; tests/patterns/pipeline/pipeline_residuals_test.py pins the
       values and the forward count, tests/aot/pipeline_compiled_test.py the
       default on each compiler.
+    mean_axes: a mesh axis name or a tuple of them, not `axis`: the
+      data-parallel axes whose devices hold other microbatches (or the same
+      ones, as under tensor parallelism). The loss is then also averaged
+      over them, as `jax.lax.pmean(pipeline_loss(...), mean_axes)` would
+      average it, and is returned invariant over them. Why: the loss's
+      cotangent is then the same on each of their devices, so the sum over
+      them of each stage weight's gradient (a weight replicated over them)
+      no longer waits for the cotangent's scaling: it is started as a
+      future once the schedule's ticks end, one a leaf (on TPU, where one
+      all-to-all may be in flight, the leaves joined in one), free to run
+      beside what is left to compute, and finished at the end (a leaf's
+      gradient is final only after the stage's last backward, so what runs
+      beside it is that tick's end, not its matmuls). Default ():
+      the loss varies over them and the caller `pmean`s it; the sums then
+      follow the backward rule's scaling, after everything else.
+      Values and gradients equal the pmean's (tests/patterns/pipeline/
+      pipeline_mean_axes_test.py; tests/aot/llama_4d_compiled_test.py
+      counts the sums' windows).
 
   Returns:
     The mean loss, the same on every device of `axis`. It is typed as
-    varying over every other mesh axis an input varies over: `pmean` it
-    over a data-parallel, FSDP or tensor axis (docs/pipeline.md, "Composing
-    the axes"). `jax.grad` of it gives the gradients of that mean with
+    varying over every other mesh axis an input varies over, but those of
+    `mean_axes`: `pmean` it over a data-parallel, FSDP or tensor axis
+    (docs/pipeline.md, "Composing the axes"), or name the axis in
+    `mean_axes`. `jax.grad` of it gives the gradients of that mean with
     respect to `stage_params`, `xs`, `targets` and what `loss_fn`,
     `stage_fn` and `before` close over.
 
@@ -131,10 +153,27 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     ...       lambda y, t: jnp.mean((y - t) ** 2), w, xs, ys, axis='pp')
     >>> loss(w, xs, ys)
     Array(36., dtype=float32)
+
+    Averaged over a data-parallel axis too (the weights replicated over
+    'dp', each device of it with its half of each microbatch):
+
+    >>> mesh = jax.make_mesh((2, 2), ('pp', 'dp'),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> @jax.shard_map(mesh=mesh, in_specs=(P('pp'), P(None, 'dp'),
+    ...                P(None, 'dp')), out_specs=P())   # no pmean needed
+    ... def dp_loss(w, xs, ys):
+    ...   return jax_overlap.pipeline_loss(
+    ...       lambda w, x: x @ w, lambda y, t: jnp.mean((y - t) ** 2),
+    ...       w, xs, ys, axis='pp', mean_axes='dp')
+    >>> jax.jit(dp_loss)(w, xs, ys)
+    Array(36., dtype=float32)
+    >>> jax.jit(jax.grad(dp_loss))(w, xs, ys)[0, 0, 0]
+    Array(12., dtype=float32)
   """
   recompute = choose_recompute(recompute)
   p = _checks.axis_size(axis)
   m = _checks.check_shapes(stage_params, xs, targets, virtual_stages, axis)
+  mean_axes = _mean_axes(mean_axes, axis, xs)
   if dispatch is not None and dispatch not in DISPATCHES:
     raise ValueError(f"pipeline_loss(dispatch={dispatch!r}): expected one of "
                      f"{DISPATCHES} or None (chosen from the model).")
@@ -146,10 +185,14 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                    targets, axis)
   dispatch = _checks.choose_dispatch(dispatch, built.model.collective,
                                      built.collective_axes)
+  # An axis no input varies over leaves the loss and its gradients alike on
+  # its devices: the mean over it is the identity, nothing to sum.
+  mean_axes = tuple(a for a in mean_axes if a in built.axes)
+  devices = math.prod(_checks.axis_size(a) for a in mean_axes)
   run_plan = lambda plan_, params, consts, xs_, targets_, grads: execute(
       plan_, built.model, params, consts, xs_, targets_, axis,
       axes=built.axes, with_grads=grads, dispatch=dispatch, zero_act=built.zero_act,
-      zero_aux=built.zero_aux, recompute=recompute)
+      zero_aux=built.zero_aux, recompute=recompute, mean_axes=mean_axes)
 
   @jax.custom_vjp
   def run(params, consts, xs, targets):
@@ -162,7 +205,9 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
 
   def run_bwd(res, ct):
     grads, primals = res
-    ct = ct[0]   # the aux values get no gradient
+    # the aux values get no gradient; the mean over `mean_axes` divides each
+    # device's part (the stage weights' parts are summed over them already)
+    ct = ct[0] / devices if devices > 1 else ct[0]
     # each device's part scaled by its own cotangent, then summed
     scale = lambda g, like: reduce_like((ct * g).astype(g.dtype), like)
     out = []
@@ -179,6 +224,36 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   run.defvjp(run_fwd, run_bwd)
   loss, aux = run(stage_params, built.consts, xs, targets)
   return (loss, aux) if has_aux else loss
+
+
+def _mean_axes(mean_axes, axis, xs) -> tuple:
+  """`mean_axes` as a tuple of bound mesh axis names, none of them the
+  pipeline axis, in a trace that tracks what varies over them; raises
+  naming the argument otherwise."""
+  names = (mean_axes,) if isinstance(mean_axes, str) else tuple(mean_axes)
+  pipeline = {axis} if isinstance(axis, str) else set(axis)
+  for name in names:
+    if not isinstance(name, str):
+      raise TypeError(f"pipeline_loss(mean_axes={mean_axes!r}): expected a mesh "
+                      "axis name or a tuple of them.")
+    if name in pipeline:
+      raise ValueError(
+          f"pipeline_loss(mean_axes={mean_axes!r}) names the pipeline axis "
+          f"{name!r}: the loss is already the mean over the microbatches the "
+          "stages run; name the data-parallel axes only.")
+    if _compat.axis_size(name) is None:
+      raise ValueError(
+          f"pipeline_loss(mean_axes={mean_axes!r}): no mesh axis {name!r} is "
+          "bound here; name axes of the enclosing jax.shard_map's mesh.")
+  if len(set(names)) != len(names):
+    raise ValueError(f"pipeline_loss(mean_axes={mean_axes!r}) names an axis twice.")
+  if names and _compat.varying_axes(jax.tree.leaves(xs)[0]) is None:
+    raise ValueError(
+        f"pipeline_loss(mean_axes={mean_axes!r}) needs the axes each input "
+        "varies over, which jax.shard_map(..., check_vma=False) does not "
+        "track: it could not tell which weights are replicated over them. "
+        "Use check_vma=True (the default), or pmean the loss outside.")
+  return names
 
 
 #: The report's name for the sum of each input's gradient parts, in the
