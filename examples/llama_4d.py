@@ -26,8 +26,12 @@ same parameters inside one `jax.shard_map` over a mesh whose axes say how:
   work, forward and backward), without `pp` `matmul_psum` in chunks;
 - `cp` (context parallel): the sequence split in the zigzag layout, attention
   by `ring_attention` (causal);
-- `ep` (expert parallel): the experts spread over it, `expert_parallel` sends
-  each token to its experts' devices and back; the batch is split over it too.
+- `ep` (expert parallel): the experts spread over it, each token sent to its
+  experts' devices and back; the batch is split over it too. In a pipeline
+  stage each block's sequence is cut in 2 chunks streamed through
+  `expert_stream` (`moe_stream`: chunk 0's dispatch in flight behind chunk
+  1's attention, the other exchanges behind the other chunk's experts,
+  forward and backward), without `pp` one `expert_parallel` call in 2 chunks.
 
 `PLANS` holds the four 8-device plans the tests check (tests/patterns/
 pipeline/llama_4d_test.py): each gives `loss`'s value and every parameter's
@@ -288,6 +292,44 @@ def chunked_stream(x, w, axis, chunks: int = 2):
   return run(w, x)
 
 
+def moe_stream(x, w, axis, chunks: int = 2):
+  """One mixture-of-experts block (`w` a layer's leaves, the experts split
+  over `axis`) on x [b, s, d] as `block` computes it, with the sequence cut
+  into `chunks` streamed through `jax_overlap.expert_stream`: chunk c's
+  dispatch in flight while chunk c+1's attention runs, each later exchange
+  beside the other chunk's experts, in that order (`program_order`); the
+  backward mirrors it. Only the last chunk's combine has nothing beside it
+  (the next layer is fsdp_scan's next step). Chunk c's attention needs
+  chunks 0..c's keys and values only; each chunk's tokens are a group of
+  their own, capacity its token count (an expert takes a token at most
+  once, so none drops)."""
+  b, s, d = x.shape
+  bounds = [s * c // chunks for c in range(chunks + 1)]
+  positions = jnp.arange(s, dtype=jnp.float32)
+
+  @jax_overlap.program_order(enforce=True)
+  def run(w, x):
+    xs = [x[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    experts = {k: w[k] for k in ("w_gate", "w_up", "w_down")}
+    stream = jax_overlap.expert_stream(expert, experts, axis=axis,
+                                       capacity=b * (bounds[1] - bounds[0]))
+    keys, values = [], []
+    for c in range(chunks):
+      q, k, v = qkv_of(xs[c], w, lambda h, m: h @ m)
+      pos = positions[bounds[c]:bounds[c + 1]]
+      keys.append(rope(k, pos))
+      values.append(v)
+      o = dense_attention(rope(q, pos), jnp.concatenate(keys, 1),
+                          jnp.concatenate(values, 1), pos, positions[:bounds[c + 1]])
+      xs[c] = xs[c] + o.reshape(b, o.shape[1], -1) @ w["wo"].reshape(-1, d)
+      h = rms_norm(xs[c], w["mlp_norm"]).reshape(-1, d)
+      stream.send(h, *route(h, w["router"]))
+    outs = stream.close()
+    return jnp.concatenate([xc + out.done()[0].reshape(xc.shape)
+                            for xc, out in zip(xs, outs)], 1)
+  return run(w, x)
+
+
 def embed(params, tokens):
   return params["embed"][tokens]
 
@@ -460,11 +502,16 @@ class Plan:
         # activations vary over every input axis), so each sum is typed
         # varying, and its gradient's sum is a future of the stream's too.
         return chunked_stream(x, w, "tp")
+      step = layer
+      if "ep" in self.axes and "pp" in self.axes:
+        # each block's tokens in 2 sequence chunks through an expert_stream:
+        # its exchanges in flight behind the other chunk's attention/experts
+        step = lambda wl, x: moe_stream(x, wl, "ep")
       if "fsdp" in self.axes:
-        return jax_overlap.fsdp_scan(layer, x, w, axis="fsdp",
+        return jax_overlap.fsdp_scan(step, x, w, axis="fsdp",
                                      shard_dims=self._shard_dims(w),
                                      params_first=True)
-      return lax.scan(lambda x, wi: (layer(wi, x), None), x, w)[0]
+      return lax.scan(lambda x, wi: (step(wi, x), None), x, w)[0]
 
     last = lambda y, t: head_loss(params, y, t)
     # each device's loss is its tokens' mean: the mean over the devices

@@ -35,6 +35,8 @@ from jax_overlap._src.patterns.collective_matmul import all_gather_matmul as all
 from jax_overlap._src.patterns.collective_matmul import matmul_reduce_scatter as matmul_reduce_scatter
 from jax_overlap._src.patterns.matmul_psum import matmul_psum as matmul_psum
 from jax_overlap._src.patterns.moe.expert_parallel import expert_parallel as expert_parallel
+from jax_overlap._src.patterns.moe.stream import ExpertStream as ExpertStream
+from jax_overlap._src.patterns.moe.stream import expert_stream as expert_stream
 from jax_overlap._src.patterns.attention.layout import from_layout as from_layout
 from jax_overlap._src.patterns.attention.layout import to_layout as to_layout
 from jax_overlap._src.patterns.attention.ring import ring_attention as ring_attention
@@ -70,6 +72,8 @@ __all__ = [
     # Overlap patterns.
     "all_gather_matmul",
     "expert_parallel",
+    "expert_stream",
+    "ExpertStream",
     "matmul_psum",
     "matmul_reduce_scatter",
     "PipelinePlan",

@@ -200,11 +200,22 @@ MEASURED = {
                                "DP gradient sums": (7, 7)},
     ("pp_dp_tp", "tpu_v5e"): {"stage sends": (4, 4), "TP all-reduces": (66, 60),
                               "DP gradient sums": (1, 1)},
-    ("pp_fsdp_ep", "gpu_h100"): {"stage sends": (4, 3), "FSDP gathers": (18, 18),
-                                 "FSDP reduce-scatters": (9, 9), "EP exchanges": (48, 34)},
-    ("pp_fsdp_ep", "tpu_v5e"): {"stage sends": (4, 4), "FSDP gathers": (36, 36),
-                                "FSDP reduce-scatters": (9, 7), "EP exchanges": (60, 36)},
+    # (the stage's blocks through expert_stream, llama_4d.moe_stream: every
+    # EP exchange in flight; each FSDP bucket now one gather / reduce-scatter
+    # where XLA cut some in 3-4 before (the same buckets and bytes); on the
+    # H100 one more stage send has only the next gather's start beside it)
+    ("pp_fsdp_ep", "gpu_h100"): {"stage sends": (4, 2), "FSDP gathers": (9, 9),
+                                 "FSDP reduce-scatters": (6, 6), "EP exchanges": (48, 48)},
+    ("pp_fsdp_ep", "tpu_v5e"): {"stage sends": (4, 4), "FSDP gathers": (18, 18),
+                                "FSDP reduce-scatters": (6, 6), "EP exchanges": (60, 60)},
 }
+#: (plan, target, column) -> pairs allowed without compute where a plan
+#: needs more than `without_compute` says. pp_fsdp_ep's H100 forward sends
+#: of warm-up ticks: their windows hold the next tick's FSDP gather start
+#: and no model compute (before expert_stream they held that gather's
+#: bucket concatenate and a transpose of one of its pieces, counted as
+#: compute; since, XLA builds the bucket before the send starts).
+BARE = {("pp_fsdp_ep", "gpu_h100", "stage sends"): 2}
 #: The psum plan's TP sums with a matmul in flight, as measured (with MEASURED).
 TP_SUMS_WITH_A_MATMUL = {("pp_dp_tp", "gpu_h100"): 42, ("pp_dp_tp", "tpu_v5e"): 60}
 
@@ -249,7 +260,8 @@ def test_every_axis_is_in_flight_over_compute(name, plan_name):
       assert c.pairs and not c.sync, f"{column}: synchronous ({found})"
       assert 2 * c.matmul >= c.pairs, f"{column}: windows without a matmul ({found})"
     assert c.pairs, f"{column}: no async pair ({found})"
-    assert c.computing >= c.pairs - without_compute(column, c), \
+    bare = max(without_compute(column, c), BARE.get((plan_name, name, column), 0))
+    assert c.computing >= c.pairs - bare, \
         f"{column}: windows without compute ({found})"
   if "dp" in plan.axes:
     # the blocks' gradient sums over 'dp', futures pipeline_loss starts when

@@ -125,6 +125,68 @@ def test_all_to_alls_are_in_flight_across_the_expert_matmuls(name, chunks, grad)
   assert not warned, warned
 
 
+OTHER_SCOPE = "other_work"
+
+
+def stream_program(t):
+  """value_and_grad of expert_stream over 2 token groups in one ordered
+  block: group 1's own matmul (the caller's work, named OTHER_SCOPE)
+  between the sends, and another after close() before the last done()."""
+  n, half = t.n, TOKENS // 2
+
+  @jax_overlap.program_order(enforce=True)
+  def block(x, ids, weights, params, mix):
+    stream = jax_overlap.expert_stream(expert, params, axis="x", capacity=CAPACITY)
+    stream.send(x[:half], ids[:half], weights[:half])
+    with jax.named_scope(OTHER_SCOPE):
+      other = jnp.tanh(x[half:] @ mix)
+    stream.send(other, ids[half:], weights[half:])
+    first, last = stream.close()
+    y0, _ = first.done()
+    with jax.named_scope(OTHER_SCOPE):
+      after = jnp.tanh(y0 @ mix)
+    y1, _ = last.done()
+    return jnp.concatenate([after, y1])
+
+  moe = jax.shard_map(block, mesh=t.mesh, in_specs=(P("x"),) * 4 + (P(),),
+                      out_specs=P("x"))
+  # (not differentiated in `mix`: its gradient is a sum over "x", replicated)
+  fn = jax.value_and_grad(lambda *a: jnp.sum(moe(*a) ** 2), argnums=(0, 2, 3))
+  experts = LOCAL * n
+  args = (arg(t, (n * TOKENS, WIDTH), P("x")),
+          arg(t, (n * TOKENS, K), P("x"), jnp.int32),
+          arg(t, (n * TOKENS, K), P("x")),
+          {"w_in": arg(t, (experts, WIDTH, HIDDEN), P("x")),
+           "w_out": arg(t, (experts, HIDDEN, WIDTH), P("x"))},
+          arg(t, (WIDTH, WIDTH), P()))
+  return fn, args
+
+
+@pytest.mark.parametrize("name", ["gpu_h100", "tpu_v5e"])
+def test_a_streams_exchanges_are_all_in_flight(name):
+  # expert_stream (patterns/moe/stream.py), 2 groups: 4 all-to-alls a pass,
+  # each beside the experts or the caller's work (d(0) beside group 1's
+  # matmul, d(1) and c(0) beside the experts, c(1) beside the matmul after
+  # close()), forward and backward (the backward's exchanges are autodiff's
+  # transposes, in their TPU form on the v5e: transposed_forms.py); none
+  # synchronous, one in flight at a time. expert_parallel leaves a pass's
+  # first and last bare (the test above).
+  fn, args = stream_program(target(name))
+  not_async._warned.clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = compiled_text(fn, *args)
+  warned = [str(w.message) for w in caught
+            if issubclass(w.category, jax_overlap.CollectiveNotAsyncWarning)]
+  pairs = all_to_all_windows(text)
+  other = lambda i: re.search(rf'op_name="[^"]*{OTHER_SCOPE}[^"]*dot_general', i.line)
+  beside = [w for w in pairs if any(is_expert_matmul(i) or other(i) for i in w.between)]
+  assert len(pairs) == 8, len(pairs)
+  assert len(beside) == 8, [(w.start, w.done) for w in pairs if w not in beside]
+  assert not re.search(r"all-to-all\(", text), "a synchronous all-to-all"
+  assert not warned, warned
+
+
 def test_a_synchronous_dispatch_has_nothing_in_flight_on_h100():
   # What the check above tells apart: the same block with plain
   # jax.lax.all_to_all (no futures, one chunk) has no expert matmul between

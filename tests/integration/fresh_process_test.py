@@ -123,6 +123,7 @@ def test_table_lists_every_entry_point():
              "ragged_all_to_all_start", "fsdp_scan", "fsdp_plan",
              "all_gather_matmul",
              "matmul_reduce_scatter", "matmul_psum", "expert_parallel",
+             "expert_stream",
              "overlap_report",
              "measure", "pipeline_loss", "pipeline_stage_layout",
              "pipeline_schedule", "ring_attention", "ulysses_attention",

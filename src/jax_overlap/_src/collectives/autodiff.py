@@ -116,7 +116,8 @@ def _transposed_of(comm: Comm, ct=None, aux=()) -> Comm:
 def _in_flight_slot(comm: Comm) -> bool:
   """Whether `comm`'s transposed future rides in the in-flight slot, with
   its TPU form (transposed_forms.py), instead of the operand slot."""
-  if comm.params is None or comm.name not in ("psum", "all_gather"):
+  if comm.params is None or comm.name not in ("psum", "all_gather",
+                                                  "all_to_all"):
     return False
   return _transposed_of(comm).tpu_form is not None
 

@@ -15,7 +15,12 @@ futures that is the transposed form's buffer exactly:
   has the same (N, rows, cols) buffer;
 * the all-gather half of its ring (ring_psum.py), which gathers its chunk
   as (1, 1, c) along axis 0: its flight (N, 1, c) is the buffer of the
-  reduce-scatter form of its transpose (the cotangent's (N c,) elements).
+  reduce-scatter form of its transpose (the cotangent's (N c,) elements);
+* an all-to-all whose transpose (its split and concat axes swapped) has a
+  form with the forward's buffer: a tiled exchange along axis 0 of an
+  (N, w) buffer, as expert_stream's (patterns/moe/stream.py), whose
+  forward and transposed forms both exchange (N, 1, w)
+  (tests/aot/moe_compiled_test.py::test_a_streams_exchanges_are_all_in_flight).
 
 For those (`form_in_flight_slot`) the transposed future is started with
 its TPU form and carried in the in-flight slot; for every other future
@@ -37,7 +42,8 @@ from jax_overlap._src.collectives.comm import Comm
 
 #: forward collective -> (its transpose, the primitives that compute that)
 _TRANSPOSES = {"psum": ("psum", frozenset({"psum", "psum_invariant"})),
-               "all_gather": ("psum_scatter", frozenset({"reduce_scatter"}))}
+               "all_gather": ("psum_scatter", frozenset({"reduce_scatter"})),
+               "all_to_all": ("all_to_all", frozenset({"all_to_all"}))}
 
 
 def _transposed_params(comm: Comm) -> dict | None:
@@ -50,6 +56,10 @@ def _transposed_params(comm: Comm) -> dict | None:
       params.get("to") is None:
     return dict(axis_name=params["axis_name"],
                 scatter_dimension=params["axis"], tiled=True)
+  if comm.name == "all_to_all":
+    return dict(axis_name=params["axis_name"],
+                split_axis=params["concat_axis"],
+                concat_axis=params["split_axis"], tiled=params["tiled"])
   return None
 
 

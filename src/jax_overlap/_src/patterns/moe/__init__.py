@@ -6,6 +6,7 @@ One idea a module: `arguments` (the checks at the call), `layout` (which
 (how a chunk's slots travel: padded buffers with a capacity, a ragged
 exchange dropless), `ragged_exchange` (the dropless exchange of the routed
 rows, per platform), `pipeline` (the chunked, fenced schedule shared by the
-forward and backward passes) and `expert_parallel` (the public function and
-its `custom_vjp`). See docs/moe.md.
+forward and backward passes), `expert_parallel` (the public function and
+its `custom_vjp`) and `stream` (`expert_stream`: token groups sent one at a
+time, each exchange a future the caller's work hides). See docs/moe.md.
 """
