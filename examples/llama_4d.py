@@ -302,7 +302,8 @@ def moe_stream(x, w, axis, chunks: int = 2):
   (the next layer is fsdp_scan's next step). Chunk c's attention needs
   chunks 0..c's keys and values only; each chunk's tokens are a group of
   their own, capacity its token count (an expert takes a token at most
-  once, so none drops)."""
+  once, so none drops). Each chunk's attention is a free block, as in
+  `chunked_stream`."""
   b, s, d = x.shape
   bounds = [s * c // chunks for c in range(chunks + 1)]
   positions = jnp.arange(s, dtype=jnp.float32)
@@ -314,16 +315,27 @@ def moe_stream(x, w, axis, chunks: int = 2):
     stream = jax_overlap.expert_stream(expert, experts, axis=axis,
                                        capacity=b * (bounds[1] - bounds[0]))
     keys, values = [], []
-    for c in range(chunks):
-      q, k, v = qkv_of(xs[c], w, lambda h, m: h @ m)
+
+    def attention(c, x, keys, values):
+      """Chunk c's residual after its attention, its normed tokens, their
+      routing, its rotated keys and values (a free block: XLA fuses in it)."""
+      q, k, v = qkv_of(x, w, lambda h, m: h @ m)
       pos = positions[bounds[c]:bounds[c + 1]]
-      keys.append(rope(k, pos))
+      k = rope(k, pos)
+      o = dense_attention(rope(q, pos), jnp.concatenate(keys + [k], 1),
+                          jnp.concatenate(values + [v], 1), pos,
+                          positions[:bounds[c + 1]])
+      x = x + o.reshape(b, o.shape[1], -1) @ w["wo"].reshape(-1, d)
+      h = rms_norm(x, w["mlp_norm"]).reshape(-1, d)
+      return x, h, route(h, w["router"]), k, v
+
+    for c in range(chunks):
+      xs[c], h, routed, k, v = jax_overlap.program_order(enforce=False)(
+          lambda c=c, x=xs[c], ks=tuple(keys), vs=tuple(values):
+          attention(c, x, list(ks), list(vs)))()
+      keys.append(k)
       values.append(v)
-      o = dense_attention(rope(q, pos), jnp.concatenate(keys, 1),
-                          jnp.concatenate(values, 1), pos, positions[:bounds[c + 1]])
-      xs[c] = xs[c] + o.reshape(b, o.shape[1], -1) @ w["wo"].reshape(-1, d)
-      h = rms_norm(xs[c], w["mlp_norm"]).reshape(-1, d)
-      stream.send(h, *route(h, w["router"]))
+      stream.send(h, *routed)
     outs = stream.close()
     return jnp.concatenate([xc + out.done()[0].reshape(xc.shape)
                             for xc, out in zip(xs, outs)], 1)
