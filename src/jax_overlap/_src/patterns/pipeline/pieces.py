@@ -35,9 +35,9 @@ from jax_overlap._src.patterns.pipeline.work import Model, is_float
 @dataclasses.dataclass(frozen=True)
 class Built:
   model: Model
-  consts: Any            # (embedding's, loss's) lists of closed-over floats
-  zero_act: Any          # the activation pytree, zeros
-  zero_aux: Any          # loss_fn's aux pytree, zeros
+  consts: Any            # (embedding's, loss's) lists of closed-over tracers
+  act_shape: Any         # the activation pytree, jax.ShapeDtypeStructs
+  aux_shape: Any         # loss_fn's aux pytree, jax.ShapeDtypeStructs
   axes: tuple            # every mesh axis an input varies over
   collective_axes: dict  # piece -> the axes its collectives name
 
@@ -84,14 +84,20 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   _checks.check_loss_output(l, has_aux)
   for piece, names in found.items():
     _checks.refuse_pipeline_collective(piece, names, axis)
-  zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
+  # Shapes, not zeros: a value made here belongs to this trace, and the
+  # custom_vjp's forward rule, traced again when grad linearizes a jitted
+  # program, would hold it as a leaked tracer (loss.py makes the zeros there).
+  shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+  # The closed-over floats vary like the activations; the others keep the
+  # type they were traced with (an int the program mixes with a constant).
+  floats = lambda cs: [vary(c) if is_float(c) else c for c in cs]
   model = Model(
       stage=lambda w, consts, x, i: stage(w, x, i),
       embed=None if embed is None else (
-          lambda consts, r: embed(vary(consts[0]), vary(r))),
-      loss=lambda consts, y, t: loss(vary(consts[1]), vary(y), vary(t)),
+          lambda consts, r: embed(floats(consts[0]), vary(r))),
+      loss=lambda consts, y, t: loss(floats(consts[1]), vary(y), vary(t)),
       collective=frozenset(k for k, v in found.items() if v))
-  return Built(model, (embed_consts, loss_consts), zeros(act), zeros(aux),
+  return Built(model, (embed_consts, loss_consts), shapes(act), shapes(aux),
                axes, found)
 
 
@@ -115,11 +121,15 @@ def _convert(fn, args, name, vary):
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   jaxpr = _compat.open_jaxpr(closed)
   values = _compat.jaxpr_consts(closed)
-  free = [isinstance(c, core.Tracer) and is_float(c) for c in values]
+  # Every traced const is given: one closed over here would leak into the
+  # custom_vjp's forward rule, which grad of a jitted program traces after
+  # this trace (issue 43). Non-float ones (an int, a key) get float0
+  # gradients and stay as they are.
+  free = [isinstance(c, core.Tracer) for c in values]
   # Cast to vary here, outside pipeline_loss's custom_vjp, so autodiff sums
   # their gradients' parts: the report's leaf names that sum (tick_names.py).
   with moving(sum_label(f"the gradient of what {name} closes over")):
-    consts = [vary(c) for c, f in zip(values, free) if f]
+    consts = [vary(c) if is_float(c) else c for c, f in zip(values, free) if f]
   fixed = [c for c, f in zip(values, free) if not f]
   out_tree = jax.tree.structure(out_shape)
 
