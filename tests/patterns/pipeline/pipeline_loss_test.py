@@ -163,6 +163,32 @@ def test_gradient_of_a_jitted_program(schedule, transform):
     np.testing.assert_allclose(a, b, **TOL)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("order", ["grad_of_jit", "jit_of_grad"])
+def test_stage_closing_over_a_traced_float(order, recompute):
+  """A stage_fn closing over a traced float gets its gradient; it was a
+  leaked tracer in the custom_vjp's rules (CustomVJPException,
+  UnexpectedTracerError, or the constant-handler TypeError under jit)."""
+  p, m = 2, 4
+  params, xs, ts = model(p, m)
+  scaled = lambda c: (lambda prm, x: stage(prm, x * c))
+
+  def piped(params, xs, ts, c):
+    body = lambda q, x, t: pipeline_loss(scaled(c), mse, q, x, t, axis="pp",
+                                         recompute=recompute)
+    return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
+                         out_specs=P())(params, xs, ts)
+
+  ref = lambda params, xs, ts, c: sequential_loss(params, xs, ts, scaled(c))
+  args = (params, xs, ts, jnp.float32(1.5))
+  diff = lambda f: jax.value_and_grad(f, argnums=(0, 1, 3))
+  run = ((lambda f: diff(jax.jit(f))) if order == "grad_of_jit"
+         else (lambda f: jax.jit(diff(f))))
+  got, want = run(piped)(*args), run(ref)(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
 def test_rows_are_the_live_activations():
   """1F1B's rows a device keeps are flat in m; GPipe's grow with it."""
   rows = lambda s, m: buffers.program(plan_lib.pipeline_schedule(

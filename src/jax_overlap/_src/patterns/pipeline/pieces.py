@@ -3,9 +3,11 @@
 Each is traced once here, on values typed exactly as the executor passes
 them (every float varying over every mesh axis an input varies over), which
 tells what they hold: a collective over the pipeline axis (refused), over
-another axis (the model then runs in lockstep), and what `loss_fn` and
-`before` close over. Closed-over float values that autodiff could perturb
-(an LM head, an embedding table) become explicit inputs with gradients: the
+another axis (the model then runs in lockstep), and what `loss_fn`,
+`before` and `stage_fn` close over. Closed-over traced values (an LM head,
+an embedding table, a stage's shared scale) become explicit inputs, the
+floats with gradients (stage_fn's only where it closes over a traced
+float; test_stage_closing_over_a_traced_float): the
 traced program is evaluated again with them cast to vary like the
 activations, so that each device's backward keeps its own part of their
 gradient (summed once, as for the stage parameters) instead of jax summing
@@ -35,7 +37,7 @@ from jax_overlap._src.patterns.pipeline.work import Model, is_float
 @dataclasses.dataclass(frozen=True)
 class Built:
   model: Model
-  consts: Any            # (embedding's, loss's) lists of closed-over tracers
+  consts: Any            # (embedding's, loss's, stage's) closed-over tracers
   act_shape: Any         # the activation pytree, jax.ShapeDtypeStructs
   aux_shape: Any         # loss_fn's aux pytree, jax.ShapeDtypeStructs
   axes: tuple            # every mesh axis an input varies over
@@ -77,6 +79,18 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   closed, out = jax.make_jaxpr(stage, return_shape=True)(chunk, act, i0)
   _checks.check_stage_output(act, out)
   found["stage"] = _checks.collective_axes(_compat.open_jaxpr(closed))
+  if any(isinstance(c, core.Tracer) and is_float(c)
+         for c in _compat.jaxpr_consts(closed)):
+    # stage_fn closes over traced floats (a shared weight, a traced scale):
+    # given as inputs like loss_fn's, they get gradients and do not leak
+    # into the custom_vjp's rules (the executor already differentiates the
+    # stage with respect to `consts`). Not yet for traced ints: the
+    # executor's residual layout casts every const to vary, which a jaxpr
+    # mixing the int with a constant refuses (a known gap).
+    run_stage, stage_consts, _, _ = _convert(stage, (chunk, act, i0),
+                                             "stage_fn", vary)
+  else:   # the common case: the user's function as written
+    run_stage, stage_consts = lambda consts, w, x, i: stage(w, x, i), []
   pair = (lambda y, t: loss_fn(y, t)) if has_aux else (
       lambda y, t: (loss_fn(y, t), ()))
   loss, loss_consts, (l, aux), found["loss"] = _convert(
@@ -92,13 +106,13 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   # type they were traced with (an int the program mixes with a constant).
   floats = lambda cs: [vary(c) if is_float(c) else c for c in cs]
   model = Model(
-      stage=lambda w, consts, x, i: stage(w, x, i),
+      stage=lambda w, consts, x, i: run_stage(floats(consts[2]), w, x, i),
       embed=None if embed is None else (
           lambda consts, r: embed(floats(consts[0]), vary(r))),
       loss=lambda consts, y, t: loss(floats(consts[1]), vary(y), vary(t)),
       collective=frozenset(k for k, v in found.items() if v))
-  return Built(model, (embed_consts, loss_consts), shapes(act), shapes(aux),
-               axes, found)
+  return Built(model, (embed_consts, loss_consts, stage_consts), shapes(act),
+               shapes(aux), axes, found)
 
 
 def _stage_call(stage_fn):
