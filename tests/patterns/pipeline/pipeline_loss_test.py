@@ -1,6 +1,7 @@
 """pipeline_loss: values and gradients equal the sequential model's."""
 
 import itertools
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 from jax_overlap._src.patterns.pipeline import buffers, placing as plan_lib
 from jax_overlap._src.patterns.pipeline.actions import B, I, Pair, parts
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
-from pipeline_model import (mesh, model, mse, pipelined_loss, sequential_loss,
-                            stage)
+from pipeline_model import (WIDTH, mesh, model, mse, pipelined_loss,
+                            sequential_loss, stage)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -111,6 +112,79 @@ def test_integer_targets():
 
   got = jax.jit(jax.value_and_grad(piped))(params, xs)
   want = jax.jit(jax.value_and_grad(ref))(params, xs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+def _jitted_model(p, schedule):
+  """(params, xs, ts, table, head, shift) -> a loss, jitted and then
+  differentiated: the embedding `table` and the LM `head` traced and closed
+  over by `before` and `loss_fn`, and `shift` a traced int the loss closes
+  over. pipeline_loss(piped=True) pipelines it, False runs it in order."""
+  def loss(params, xs, ts, table, head, shift, *, piped):
+    def before(x):
+      return jnp.tanh(x @ table)
+
+    def loss_fn(y, t):
+      return jnp.mean((jnp.roll(y @ head, shift, axis=-1) - t) ** 2)
+
+    if not piped:
+      def one(x, t):
+        x = before(x)
+        for g in range(p):
+          x = stage(jax.tree.map(lambda a: a[g], params), x)
+        return loss_fn(x, t)
+      return jnp.mean(jax.vmap(one)(xs, ts))
+    body = lambda q, x, t: pipeline_loss(stage, loss_fn, q, x, t, axis="pp",
+                                         schedule=schedule, before=before)
+    return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
+                         out_specs=P())(params, xs, ts)
+  return loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("transform", ["grad", "value_and_grad"])
+def test_gradient_of_a_jitted_program(schedule, transform):
+  """grad(jit(shard_map(pipeline_loss))): grad traces the custom_vjp's
+  forward rule again after jit's trace, where a value pipeline_loss made
+  in that trace and the rule closed over was a leaked tracer ("No constant
+  handler for type: DynamicJaxprTracer", issue 43)."""
+  p, m = 2, 4
+  params, xs, ts = model(p, m)
+  table = jax.random.normal(jax.random.key(3), (WIDTH, WIDTH)) / 2
+  head = jax.random.normal(jax.random.key(4), (WIDTH, WIDTH)) / 2
+  args = (params, xs, ts, table, head, jnp.int32(1))
+  loss = _jitted_model(p, schedule)
+  diff = getattr(jax, transform)
+  got = diff(jax.jit(partial(loss, piped=True)), argnums=(0, 1, 2, 3, 4))(*args)
+  want = diff(jax.jit(partial(loss, piped=False)), argnums=(0, 1, 2, 3, 4))(*args)
+  assert len(jax.tree.leaves(want)) == len(jax.tree.leaves(got))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("order", ["grad_of_jit", "jit_of_grad"])
+def test_stage_closing_over_a_traced_float(order, recompute):
+  """A stage_fn closing over a traced float gets its gradient; it was a
+  leaked tracer in the custom_vjp's rules (CustomVJPException,
+  UnexpectedTracerError, or the constant-handler TypeError under jit)."""
+  p, m = 2, 4
+  params, xs, ts = model(p, m)
+  scaled = lambda c: (lambda prm, x: stage(prm, x * c))
+
+  def piped(params, xs, ts, c):
+    body = lambda q, x, t: pipeline_loss(scaled(c), mse, q, x, t, axis="pp",
+                                         recompute=recompute)
+    return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
+                         out_specs=P())(params, xs, ts)
+
+  ref = lambda params, xs, ts, c: sequential_loss(params, xs, ts, scaled(c))
+  args = (params, xs, ts, jnp.float32(1.5))
+  diff = lambda f: jax.value_and_grad(f, argnums=(0, 1, 3))
+  run = ((lambda f: diff(jax.jit(f))) if order == "grad_of_jit"
+         else (lambda f: jax.jit(diff(f))))
+  got, want = run(piped)(*args), run(ref)(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, **TOL)
 

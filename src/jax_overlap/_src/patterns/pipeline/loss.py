@@ -8,7 +8,10 @@ rule scales by the loss's cotangent. So the gradient holds inside a larger
 loss (an embedding before, a regulariser beside). The gradients are not
 differentiable again: a second derivative raises at trace time
 (`_first_order_only`; differentiating the executor would hang on its
-switches' sends). Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
+switches' sends). The rules close over no value pipeline_loss traces:
+grad of a jitted program traces them again after that trace
+(test_gradient_of_a_jitted_program).
+Pinned by tests/patterns/pipeline/pipeline_loss_test.py.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jax_overlap._src import _compat
 from jax_overlap._src.patterns.pipeline import checks as _checks
@@ -189,10 +193,14 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   # its devices: the mean over it is the identity, nothing to sum.
   mean_axes = tuple(a for a in mean_axes if a in built.axes)
   devices = math.prod(_checks.axis_size(a) for a in mean_axes)
+  # Everything traced that run's rules use is an input or made inside them:
+  # grad of a jitted program traces run_fwd again, after this trace, where a
+  # value closed over from here is a leaked tracer (issue 43).
   run_plan = lambda plan_, params, consts, xs_, targets_, grads: execute(
       plan_, built.model, params, consts, xs_, targets_, axis,
-      axes=built.axes, with_grads=grads, dispatch=dispatch, zero_act=built.zero_act,
-      zero_aux=built.zero_aux, recompute=recompute, mean_axes=mean_axes)
+      axes=built.axes, with_grads=grads, dispatch=dispatch,
+      zero_act=_zeros(built.act_shape), zero_aux=_zeros(built.aux_shape),
+      recompute=recompute, mean_axes=mean_axes)
 
   @jax.custom_vjp
   def run(params, consts, xs, targets):
@@ -224,6 +232,12 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
   run.defvjp(run_fwd, run_bwd)
   loss, aux = run(stage_params, built.consts, xs, targets)
   return (loss, aux) if has_aux else loss
+
+
+def _zeros(shapes):
+  """Zeros of each `jax.ShapeDtypeStruct` in a pytree, made in the trace
+  that calls this."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _mean_axes(mean_axes, axis, xs) -> tuple:

@@ -3,9 +3,11 @@
 Each is traced once here, on values typed exactly as the executor passes
 them (every float varying over every mesh axis an input varies over), which
 tells what they hold: a collective over the pipeline axis (refused), over
-another axis (the model then runs in lockstep), and what `loss_fn` and
-`before` close over. Closed-over float values that autodiff could perturb
-(an LM head, an embedding table) become explicit inputs with gradients: the
+another axis (the model then runs in lockstep), and what `loss_fn`,
+`before` and `stage_fn` close over. Closed-over traced values (an LM head,
+an embedding table, a stage's shared scale) become explicit inputs, the
+floats with gradients (stage_fn's only where it closes over a traced
+float; test_stage_closing_over_a_traced_float): the
 traced program is evaluated again with them cast to vary like the
 activations, so that each device's backward keeps its own part of their
 gradient (summed once, as for the stage parameters) instead of jax summing
@@ -35,9 +37,9 @@ from jax_overlap._src.patterns.pipeline.work import Model, is_float
 @dataclasses.dataclass(frozen=True)
 class Built:
   model: Model
-  consts: Any            # (embedding's, loss's) lists of closed-over floats
-  zero_act: Any          # the activation pytree, zeros
-  zero_aux: Any          # loss_fn's aux pytree, zeros
+  consts: Any            # (embedding's, loss's, stage's) closed-over tracers
+  act_shape: Any         # the activation pytree, jax.ShapeDtypeStructs
+  aux_shape: Any         # loss_fn's aux pytree, jax.ShapeDtypeStructs
   axes: tuple            # every mesh axis an input varies over
   collective_axes: dict  # piece -> the axes its collectives name
 
@@ -77,6 +79,18 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   closed, out = jax.make_jaxpr(stage, return_shape=True)(chunk, act, i0)
   _checks.check_stage_output(act, out)
   found["stage"] = _checks.collective_axes(_compat.open_jaxpr(closed))
+  if any(isinstance(c, core.Tracer) and is_float(c)
+         for c in _compat.jaxpr_consts(closed)):
+    # stage_fn closes over traced floats (a shared weight, a traced scale):
+    # given as inputs like loss_fn's, they get gradients and do not leak
+    # into the custom_vjp's rules (the executor already differentiates the
+    # stage with respect to `consts`). Not yet for traced ints: the
+    # executor's residual layout casts every const to vary, which a jaxpr
+    # mixing the int with a constant refuses (a known gap).
+    run_stage, stage_consts, _, _ = _convert(stage, (chunk, act, i0),
+                                             "stage_fn", vary)
+  else:   # the common case: the user's function as written
+    run_stage, stage_consts = lambda consts, w, x, i: stage(w, x, i), []
   pair = (lambda y, t: loss_fn(y, t)) if has_aux else (
       lambda y, t: (loss_fn(y, t), ()))
   loss, loss_consts, (l, aux), found["loss"] = _convert(
@@ -84,15 +98,21 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   _checks.check_loss_output(l, has_aux)
   for piece, names in found.items():
     _checks.refuse_pipeline_collective(piece, names, axis)
-  zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
+  # Shapes, not zeros: a value made here belongs to this trace, and the
+  # custom_vjp's forward rule, traced again when grad linearizes a jitted
+  # program, would hold it as a leaked tracer (loss.py makes the zeros there).
+  shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+  # The closed-over floats vary like the activations; the others keep the
+  # type they were traced with (an int the program mixes with a constant).
+  floats = lambda cs: [vary(c) if is_float(c) else c for c in cs]
   model = Model(
-      stage=lambda w, consts, x, i: stage(w, x, i),
+      stage=lambda w, consts, x, i: run_stage(floats(consts[2]), w, x, i),
       embed=None if embed is None else (
-          lambda consts, r: embed(vary(consts[0]), vary(r))),
-      loss=lambda consts, y, t: loss(vary(consts[1]), vary(y), vary(t)),
+          lambda consts, r: embed(floats(consts[0]), vary(r))),
+      loss=lambda consts, y, t: loss(floats(consts[1]), vary(y), vary(t)),
       collective=frozenset(k for k, v in found.items() if v))
-  return Built(model, (embed_consts, loss_consts), zeros(act), zeros(aux),
-               axes, found)
+  return Built(model, (embed_consts, loss_consts, stage_consts), shapes(act),
+               shapes(aux), axes, found)
 
 
 def _stage_call(stage_fn):
@@ -115,11 +135,15 @@ def _convert(fn, args, name, vary):
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   jaxpr = _compat.open_jaxpr(closed)
   values = _compat.jaxpr_consts(closed)
-  free = [isinstance(c, core.Tracer) and is_float(c) for c in values]
+  # Every traced const is given: one closed over here would leak into the
+  # custom_vjp's forward rule, which grad of a jitted program traces after
+  # this trace (issue 43). Non-float ones (an int, a key) get float0
+  # gradients and stay as they are.
+  free = [isinstance(c, core.Tracer) for c in values]
   # Cast to vary here, outside pipeline_loss's custom_vjp, so autodiff sums
   # their gradients' parts: the report's leaf names that sum (tick_names.py).
   with moving(sum_label(f"the gradient of what {name} closes over")):
-    consts = [vary(c) for c, f in zip(values, free) if f]
+    consts = [vary(c) if is_float(c) else c for c, f in zip(values, free) if f]
   fixed = [c for c, f in zip(values, free) if not f]
   out_tree = jax.tree.structure(out_shape)
 
