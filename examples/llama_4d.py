@@ -215,6 +215,20 @@ def block(x, w, par: Parallel = Parallel()):
   return x + swiglu(h, gate_up_of(w), w["w_down"], par.column, par.row)
 
 
+def chunk_attention(x, w, keys, values, lo: int, hi: int):
+  """The attention of a sequence chunk x [b, hi - lo, d] (positions lo..hi)
+  over the chunks before it (`keys`, `values`: theirs, keys rotated) and
+  itself, projected by `wo` (before any sum over a tensor axis); returns it
+  with the chunk's rotated keys and values."""
+  b, d = x.shape[0], x.shape[-1]
+  positions = jnp.arange(hi, dtype=jnp.float32)
+  q, k, v = qkv_of(x, w, lambda h, m: h @ m)
+  k = rope(k, positions[lo:])
+  o = dense_attention(rope(q, positions[lo:]), jnp.concatenate(keys + [k], 1),
+                      jnp.concatenate(values + [v], 1), positions[lo:], positions)
+  return o.reshape(b, hi - lo, -1) @ w["wo"].reshape(-1, d), k, v
+
+
 def chunked_stream(x, w, axis, chunks: int = 2):
   """The blocks `w` ([layers, ...], heads and hidden units split over
   `axis`) on x [b, s, d] as `block` (tensor="psum") computes them, with the
@@ -232,19 +246,10 @@ def chunked_stream(x, w, axis, chunks: int = 2):
   b, s, d = x.shape
   layers = jax.tree.leaves(w)[0].shape[0]
   bounds = [s * c // chunks for c in range(chunks + 1)]
-  positions = jnp.arange(s, dtype=jnp.float32)
   free = lambda fn: jax_overlap.program_order(enforce=False)(fn)()
 
   def attention(x, wl, keys, values, c):
-    """Chunk c's attention output projected (before its sum), its keys and
-    values (rotated keys) for the chunks after it."""
-    q, k, v = qkv_of(x, wl, lambda h, m: h @ m)
-    pos = positions[bounds[c]:bounds[c + 1]]
-    k = rope(k, pos)
-    o = dense_attention(rope(q, pos), jnp.concatenate(keys + [k], 1),
-                        jnp.concatenate(values + [v], 1), pos,
-                        positions[:bounds[c + 1]])
-    return o.reshape(b, o.shape[1], -1) @ wl["wo"].reshape(-1, d), k, v
+    return chunk_attention(x, wl, keys, values, bounds[c], bounds[c + 1])
 
   def mlp(x, wl):
     gate, up = jnp.split(rms_norm(x, wl["mlp_norm"]) @ gate_up_of(wl), 2, axis=-1)
@@ -306,7 +311,6 @@ def moe_stream(x, w, axis, chunks: int = 2):
   `chunked_stream`."""
   b, s, d = x.shape
   bounds = [s * c // chunks for c in range(chunks + 1)]
-  positions = jnp.arange(s, dtype=jnp.float32)
 
   @jax_overlap.program_order(enforce=True)
   def run(w, x):
@@ -319,13 +323,8 @@ def moe_stream(x, w, axis, chunks: int = 2):
     def attention(c, x, keys, values):
       """Chunk c's residual after its attention, its normed tokens, their
       routing, its rotated keys and values (a free block: XLA fuses in it)."""
-      q, k, v = qkv_of(x, w, lambda h, m: h @ m)
-      pos = positions[bounds[c]:bounds[c + 1]]
-      k = rope(k, pos)
-      o = dense_attention(rope(q, pos), jnp.concatenate(keys + [k], 1),
-                          jnp.concatenate(values + [v], 1), pos,
-                          positions[:bounds[c + 1]])
-      x = x + o.reshape(b, o.shape[1], -1) @ w["wo"].reshape(-1, d)
+      o, k, v = chunk_attention(x, w, keys, values, bounds[c], bounds[c + 1])
+      x = x + o
       h = rms_norm(x, w["mlp_norm"]).reshape(-1, d)
       return x, h, route(h, w["router"]), k, v
 
