@@ -265,52 +265,43 @@ def _matmul_psum(context, mesh, checks):
   _close("value and grads", results[0], results[1], checks, rtol=1e-4)
 
 
-def _expert_parallel(context, mesh, checks):
-  # One expert a device, 4 tokens each, k = 2, dropless; the reference is
-  # every (token, choice) through its expert gathered by hand.
-  n = mesh.shape[AXIS]
-  x, w = _x((4 * n, 8), 1), np.abs(_x((4 * n, 2), 2))
-  ids = np.random.default_rng(3).integers(0, n, (4 * n, 2)).astype(np.int32)
-  experts = _x((n, 8, 8), 4)
-  expert = lambda e, t: jnp.tanh(t @ e)
-  ours = lambda x, ids, w, e: jo.expert_parallel(expert, x, ids, w, e, axis=AXIS)
-  plain = lambda x, ids, w, e: jnp.einsum(
-      "tk,tkd->td", w, jnp.tanh(jnp.einsum("td,tkde->tke", x, e[ids])))
-  with _context(context, mesh):
-    args = [_put(mesh, a, P(AXIS)) for a in (x, ids, w, experts)]
-    f = _shard_map(context, mesh, ours, in_specs=(P(AXIS),) * 4,
-                   out_specs=P(AXIS), check_vma=False)
-    loss = lambda out: jnp.sum(jnp.sin(out))
-    got = with_grads(f, loss, (0, 2, 3))(*args)                # first call
-  want = with_grads(plain, loss, (0, 2, 3))(x, ids, w, experts)
-  _close("value and grads", got, want, checks, rtol=1e-4)
+def _moe(ours_of):
+  """A case of one expert a device, 4 tokens each, k = 2, whose first call
+  is `ours_of(expert)`'s; the reference is every (token, choice) through
+  its expert gathered by hand."""
+  def run(context, mesh, checks):
+    n = mesh.shape[AXIS]
+    x, w = _x((4 * n, 8), 1), np.abs(_x((4 * n, 2), 2))
+    ids = np.random.default_rng(3).integers(0, n, (4 * n, 2)).astype(np.int32)
+    experts = _x((n, 8, 8), 4)
+    expert = lambda e, t: jnp.tanh(t @ e)
+    plain = lambda x, ids, w, e: jnp.einsum(
+        "tk,tkd->td", w, jnp.tanh(jnp.einsum("td,tkde->tke", x, e[ids])))
+    with _context(context, mesh):
+      args = [_put(mesh, a, P(AXIS)) for a in (x, ids, w, experts)]
+      f = _shard_map(context, mesh, ours_of(expert), in_specs=(P(AXIS),) * 4,
+                     out_specs=P(AXIS), check_vma=False)
+      loss = lambda out: jnp.sum(jnp.sin(out))
+      got = with_grads(f, loss, (0, 2, 3))(*args)                # first call
+    want = with_grads(plain, loss, (0, 2, 3))(x, ids, w, experts)
+    _close("value and grads", got, want, checks, rtol=1e-4)
+  return run
 
 
-def _expert_stream(context, mesh, checks):
-  # expert_parallel's case as a stream of 2 token groups (capacity 4: none
-  # drops), one ordered block; the same dense reference.
-  n = mesh.shape[AXIS]
-  x, w = _x((4 * n, 8), 1), np.abs(_x((4 * n, 2), 2))
-  ids = np.random.default_rng(3).integers(0, n, (4 * n, 2)).astype(np.int32)
-  experts = _x((n, 8, 8), 4)
-  expert = lambda e, t: jnp.tanh(t @ e)
+def _expert_parallel(expert):
+  """Dropless."""
+  return lambda x, ids, w, e: jo.expert_parallel(expert, x, ids, w, e, axis=AXIS)
 
+
+def _expert_stream(expert):
+  """A stream of 2 token groups (capacity 4: none drops), one ordered block."""
   @jo.program_order(enforce=True)
   def ours(x, ids, w, e):
     stream = jo.expert_stream(expert, e, axis=AXIS, capacity=4)
     stream.send(x[:2], ids[:2], w[:2])
     stream.send(x[2:], ids[2:], w[2:])
     return jnp.concatenate([out.done()[0] for out in stream.close()])
-  plain = lambda x, ids, w, e: jnp.einsum(
-      "tk,tkd->td", w, jnp.tanh(jnp.einsum("td,tkde->tke", x, e[ids])))
-  with _context(context, mesh):
-    args = [_put(mesh, a, P(AXIS)) for a in (x, ids, w, experts)]
-    f = _shard_map(context, mesh, ours, in_specs=(P(AXIS),) * 4,
-                   out_specs=P(AXIS), check_vma=False)
-    loss = lambda out: jnp.sum(jnp.sin(out))
-    got = with_grads(f, loss, (0, 2, 3))(*args)                # first call
-  want = with_grads(plain, loss, (0, 2, 3))(x, ids, w, experts)
-  _close("value and grads", got, want, checks, rtol=1e-4)
+  return ours
 
 
 def _report_case(first_call):
@@ -489,8 +480,8 @@ ENTRIES = {
     "matmul_reduce_scatter": (_collective_matmul("matmul_reduce_scatter"),
                               CONTEXTS),
     "matmul_psum": (_matmul_psum, CONTEXTS),
-    "expert_parallel": (_expert_parallel, CONTEXTS),
-    "expert_stream": (_expert_stream, CONTEXTS),
+    "expert_parallel": (_moe(_expert_parallel), CONTEXTS),
+    "expert_stream": (_moe(_expert_stream), CONTEXTS),
     "pipeline_loss": (_pipeline_loss, CONTEXTS),
     "pipeline_schedule": (_pipeline_schedule, CONTEXTS),
     "ring_attention": (_attention("ring_attention"), CONTEXTS),
