@@ -68,9 +68,10 @@ from jax_overlap._src.patterns import varying as _varying  # noqa: E402
 
 PROFILE = {"gpu_h100": "h100", "tpu_v5e": "tpu-v5e"}
 STAGES, FSDP = 4, 2
-VARIANTS = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev",
-            "1f1b, gathered once",
-            "1f1b, gathered once, recompute", "shift (MaxText)")
+#: pipeline_loss's schedules, each a variant of its own
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev")
+VARIANTS = SCHEDULES + ("1f1b, gathered once",
+                        "1f1b, gathered once, recompute", "shift (MaxText)")
 #: variant -> pipelined_loss's keywords for the variants beyond a schedule
 #: (docs/pipeline.md "Gathering a stage's weights once a step").
 HOW = {"1f1b, gathered once": dict(gather_once=True),
@@ -127,7 +128,7 @@ def _mesh(target):
 def program(variant, mesh, width, m):
   cfg = model.Config(vocab=32, d=width, heads=max(1, width // 128),
                      hidden=4 * width, layers=2 * STAGES, seq=512)
-  schedule = variant if variant in VARIANTS[:6] else "1f1b"
+  schedule = variant if variant in SCHEDULES else "1f1b"
   shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.key(0),
                                                 schedule))
   specs = pipeline.specs(shapes)
