@@ -359,9 +359,26 @@ def loss(params, tokens, targets):
   return head_loss(params, x, targets)
 
 
+def _varying_joined(leaves: dict, axes: tuple) -> dict:
+  """`leaves` (one dtype, invariant over `axes`) joined in one buffer, cast
+  to vary over `axes` by one `jax_overlap.pvary_start` future (its
+  gradient's sum one future), and cut apart again."""
+  flat = jnp.concatenate([a.reshape(-1) for a in leaves.values()])
+  flat = jax_overlap.pvary_start(flat, axes).done()
+  out, at = {}, 0
+  for k, a in leaves.items():
+    out[k] = flat[at:at + a.size].reshape(a.shape)
+    at += a.size
+  return out
+
+
 # --- the plans ----------------------------------------------------------------------
 
 DATA_AXES = ("fsdp", "dp")
+#: the blocks' norm scales (replicated over every axis but 'pp' and 'fsdp')
+NORMS = ("attn_norm", "mlp_norm")
+#: the leaves replicated over every axis (outside the pipeline's stages)
+REPLICATED = ("embed", "final_norm", "head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,7 +519,32 @@ class Plan:
                          in_specs=(self.specs(staged), batch, batch),
                          out_specs=P())(staged, tokens, targets)
 
+  def _varying(self, params) -> dict:
+    """`params` with the leaves replicated over a mesh axis cast to vary
+    over it by `pvary_start` futures, so that their gradients' sums are
+    futures (on TPU one a mesh axis, each in its async form there) instead
+    of the psums autodiff runs whole after pipeline_loss's backward
+    (synchronous on TPU): the embedding, final norm and head (replicated
+    over every axis), joined in one buffer; without 'fsdp', the blocks'
+    norm scales (replicated over every axis but 'pp'), joined in another.
+    With 'fsdp' on the TPU v5e, fsdp_scan's reduce-scatter futures hold the
+    one all-to-all slot at the backward's end, and the norm scales' future
+    there ran synchronous, with FSDP gathers and reduce-scatters (measured
+    with tests/aot/llama_4d_compiled_test.py): with 'tp' pipeline_loss's
+    `mean_axes` sums them as its ticks end instead (see `_body`).
+    (Inside a stage no sum can start: pipeline_loss casts every stage
+    weight to vary over every axis.)"""
+    blocks = params["blocks"]
+    norms_over = tuple(a for a in self.axes if a != "pp")
+    top = _varying_joined({k: params[k] for k in REPLICATED}, tuple(self.axes))
+    if "fsdp" not in self.axes:
+      blocks = dict(blocks, **_varying_joined(
+          {k: blocks[k] for k in NORMS}, norms_over))
+    return dict(params, blocks=blocks, **top)
+
   def _body(self, params, tokens, targets):
+    if "pp" in self.axes:
+      params = self._varying(params)
     par = self.parallel()
     layer = lambda w, x: block(x, w, par)     # the params first, as fsdp_scan's
     blocks = params["blocks"]
@@ -534,10 +576,12 @@ class Plan:
     averaged = ()
     if "pp" in self.axes:
       split = lambda a: a.reshape((self.microbatches, -1) + a.shape[1:])
-      # With 'dp' (the blocks replicated over it) pipeline_loss takes the
-      # mean itself, so each block weight's sum over 'dp' starts when the
-      # ticks end instead of after its backward rule (mean_axes).
-      averaged = others if "dp" in self.axes else ()
+      # With 'dp' (the blocks replicated over it) or 'tp' (the norm scales
+      # replicated over it) pipeline_loss takes the mean itself, so each
+      # such block weight's sum over 'dp' / 'tp' (those `_varying` did not
+      # cast) starts when the ticks end instead of after its backward rule
+      # (mean_axes).
+      averaged = others if "dp" in self.axes or "tp" in self.axes else ()
       value = jax_overlap.pipeline_loss(
           stage, last, blocks, split(tokens), split(targets), axis="pp",
           schedule=self.schedule, before=lambda t: embed(params, t),

@@ -5,6 +5,7 @@ from jax_overlap._src.collectives.api import all_to_all_start as all_to_all_star
 from jax_overlap._src.collectives.api import ppermute_start as ppermute_start
 from jax_overlap._src.collectives.api import psum_scatter_start as psum_scatter_start
 from jax_overlap._src.collectives.api import psum_start as psum_start
+from jax_overlap._src.collectives.broadcast import pvary_start as pvary_start
 from jax_overlap._src.collectives.api import ragged_all_to_all_start as ragged_all_to_all_start
 from jax_overlap._src.collectives.future import Future as Future
 from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning as CollectiveNotAsyncWarning
@@ -67,6 +68,7 @@ __all__ = [
     "program_order",
     "psum_scatter_start",
     "psum_start",
+    "pvary_start",
     "ragged_all_to_all_start",
     "errors",
     # Overlap patterns.

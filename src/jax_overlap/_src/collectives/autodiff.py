@@ -117,7 +117,7 @@ def _in_flight_slot(comm: Comm) -> bool:
   """Whether `comm`'s transposed future rides in the in-flight slot, with
   its TPU form (transposed_forms.py), instead of the operand slot."""
   if comm.params is None or comm.name not in ("psum", "all_gather",
-                                                  "all_to_all"):
+                                                  "all_to_all", "pvary"):
     return False
   return _transposed_of(comm).tpu_form is not None
 

@@ -141,7 +141,7 @@ def transposed(comm: Comm, ct, aux=()) -> Comm:
 
 
 _TRANSPOSED_NAME = {"all_gather": "psum_scatter", "psum_scatter": "all_gather",
-                    "psum": "psum", "all_to_all": "all_to_all",
+                    "psum": "psum", "pvary": "psum", "all_to_all": "all_to_all",
                     "ppermute": "ppermute",
                     "ragged_all_to_all": "ragged_all_to_all"}
 

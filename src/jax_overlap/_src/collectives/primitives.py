@@ -119,7 +119,8 @@ def _batched(comm: Comm, axis_data) -> Comm:
   if form is not None:
     form = type(form)(
         batching.batch_jaxpr(form.start, axis_data, [True], [True])[0],
-        batching.batch_jaxpr(form.done, axis_data, [True], [True])[0])
+        batching.batch_jaxpr(form.done, axis_data, [True], [True])[0],
+        local=form.local)
   return Comm(comm.name, jaxpr, comm.state, form, cpu)
 
 

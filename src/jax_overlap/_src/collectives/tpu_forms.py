@@ -80,6 +80,9 @@ class Form(NamedTuple):
   # closed jaxpr: x -> the same buffer, by a synchronous all-gather: for a
   # future started while another's all-to-all is in flight (xla/futures.py).
   sync: object = None
+  # Made on the device, no collective (broadcast.py's in-flight copies): no
+  # async pair, no all-to-all slot.
+  local: bool = False
 
 
 def _exchange(buf, axis, copies=False):

@@ -22,6 +22,10 @@ futures that is the transposed form's buffer exactly:
   forward and transposed forms both exchange (N, 1, w)
   (tests/aot/moe_compiled_test.py::test_a_streams_exchanges_are_all_in_flight).
 
+* `pvary_start` (broadcast.py): its transpose is a psum of the cotangent,
+  and its forward's in-flight value is made, locally, as that psum's copies
+  form's (N, rows, cols) buffer for this purpose.
+
 For those (`form_in_flight_slot`) the transposed future is started with
 its TPU form and carried in the in-flight slot; for every other future
 autodiff keeps the operand slot and the plain transposed collective.
@@ -43,14 +47,15 @@ from jax_overlap._src.collectives.comm import Comm
 #: forward collective -> (its transpose, the primitives that compute that)
 _TRANSPOSES = {"psum": ("psum", frozenset({"psum", "psum_invariant"})),
                "all_gather": ("psum_scatter", frozenset({"reduce_scatter"})),
-               "all_to_all": ("all_to_all", frozenset({"all_to_all"}))}
+               "all_to_all": ("all_to_all", frozenset({"all_to_all"})),
+               "pvary": ("psum", frozenset({"psum", "psum_invariant"}))}
 
 
 def _transposed_params(comm: Comm) -> dict | None:
   params = comm.params
   if params is None:
     return None
-  if comm.name == "psum":
+  if comm.name in ("psum", "pvary"):
     return dict(axis_name=params["axis_name"])
   if comm.name == "all_gather" and params.get("tiled") and \
       params.get("to") is None:

@@ -200,6 +200,10 @@ def _all_axes_manual(ctx) -> bool:
 def _lower_form_start(ctx, x, comm, *, split):
   """The TPU form's start (tpu_forms.py): its all-to-all is the pair."""
   form = comm.tpu_form
+  if form.local:   # made on the device (broadcast.py): no pair, no slot
+    sub_ctx = ctx.replace(avals_in=[comm.in_aval], avals_out=[comm.flight_aval])
+    (buf,) = _compat.lower_jaxpr_inline(sub_ctx, form.start, x)
+    return buf
   if split and _compat.ASYNC_CUSTOM_CALLS and _platforms(ctx) == ("tpu",):
     if not all_to_all_slots.take_slot(ctx):
       return _lower_form_start_sync(ctx, x, comm)
