@@ -1,7 +1,7 @@
 """Every public function in every mode users call it in: one matrix.
 
 Rows are the public APIs (the six `*_start` collectives, psum_start also with
-`to="varying"`, and `program_order`
+`to="varying"`, the broadcast future `pvary_start`, and `program_order`
 around them); columns are the calling modes (eager shard_map, jit, each
 autodiff entry point with and without jit, vmap inside and around shard_map,
 checkpoint, scan and fori_loop bodies, nested shard_maps, explicit-sharding
@@ -54,6 +54,9 @@ APIS = {
     # typed varying over "i": its gradient's sum a future too
     "psum_varying": (lambda v: jo.psum_start(v, "i", to="varying"),
                      lambda v: _varying_psum(v), P("i"), P("i")),
+    # the broadcast future: a replicated value cast to vary over "i", its
+    # gradient's sum a future
+    "pvary": (lambda v: jo.pvary_start(v, "i"), lambda v: _varying(v), P(), P("i")),
     "psum_scatter": (lambda v: jo.psum_scatter_start(v, "i", tiled=True),
                      lambda v: lax.psum_scatter(v, "i", tiled=True),
                      P("i"), P("i")),
@@ -81,6 +84,16 @@ def _varying_psum(v):
   if have is None or "i" in have or "i" not in mesh_axes:
     return y
   return lax.pcast(y, "i", to="varying")
+
+
+def _varying(v):
+  """`v` cast to vary over "i" where this trace types values so (a vmap
+  axis or check_vma=False: `v` itself)."""
+  have = _compat.varying_axes(v)
+  mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+  if have is None or "i" in have or "i" not in mesh_axes:
+    return v
+  return lax.pcast(v, "i", to="varying")
 
 
 # Device 0 sends row 0 to itself and rows 1-2 to device 1; device 1 sends
@@ -287,7 +300,7 @@ EXPLICIT_MESH = _mesh(explicit=True) if HAS_AXIS_TYPES else None
 def _explicit(jit):
   def run(body, si, so):
     f = _smap(body, si, so, mesh=EXPLICIT_MESH)
-    x = jax.device_put(_x(), NamedSharding(EXPLICIT_MESH, P("i")))
+    x = jax.device_put(_x(), NamedSharding(EXPLICIT_MESH, si))   # as the body takes it
     with jax.sharding.use_mesh(EXPLICIT_MESH) if hasattr(jax.sharding, "use_mesh") \
         else jax.set_mesh(EXPLICIT_MESH):
       return _maybe_jit(f, jit)(x), _maybe_jit(jax.grad(_loss(f)), jit)(x)

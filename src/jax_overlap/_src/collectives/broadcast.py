@@ -24,8 +24,10 @@ axis's sum is in flight across the window. Elsewhere (GPU, CPU) several
 axes are one plain sum future; a vmap axis likewise (synchronous on TPU).
 
 Pinned by tests/collectives/pvary_start_test.py (values and gradients equal
-the cast, with the TPU form forced on CPU, inside ordered blocks; refusals)
-and tests/aot/llama_4d_compiled_test.py (the norm scales' sums on the v5e).
+the cast, with the TPU form forced on CPU, inside ordered blocks; refusals),
+in every calling mode by tests/integration/modes_test.py, and on the real
+compilers by tests/aot/llama_4d_compiled_test.py (the replicated leaves'
+sums of examples/llama_4d.py on the v5e).
 """
 
 from __future__ import annotations
