@@ -537,7 +537,7 @@ class Plan:
     blocks = params["blocks"]
     norms_over = tuple(a for a in self.axes if a != "pp")
     top = _varying_joined({k: params[k] for k in REPLICATED}, tuple(self.axes))
-    if "fsdp" not in self.axes:
+    if norms_over and "fsdp" not in self.axes:
       blocks = dict(blocks, **_varying_joined(
           {k: blocks[k] for k in NORMS}, norms_over))
     return dict(params, blocks=blocks, **top)
