@@ -197,3 +197,11 @@ def test_over_two_axes_on_tpu_is_one_future_an_axis(mesh8):
     starts = _starts(jax.jit(f).trace(*args).jaxpr.jaxpr)
   assert starts == [("pvary", True), ("pvary", True), ("psum", True),
                     ("psum", True)], starts
+
+
+def test_no_axis_is_refused(mesh2):
+  def per_device(v):
+    return jo.pvary_start(jnp.ones(2), ()).done() + v
+  f = jax.shard_map(per_device, mesh=mesh2, in_specs=P(AXIS), out_specs=P(AXIS))
+  with pytest.raises(ValueError, match=r"pvary_start\(axis_name=\(\)\): name at least one"):
+    jax.jit(f)(jnp.arange(4.0))

@@ -91,6 +91,9 @@ def pvary_start(x, axis_name) -> Future:
     Array([1.5231884, 0.       ], dtype=float32)
   """
   check_axis_name("pvary", axis_name)
+  if isinstance(axis_name, (tuple, list)) and not axis_name:
+    raise ValueError("pvary_start(axis_name=()): name at least one mesh axis "
+                     "to cast x to vary over.")
   where = user_frame()
   if isinstance(x, Future):
     raise TypeError(f"pvary_start: {x!r} is a Future; call .done() on it first.")
