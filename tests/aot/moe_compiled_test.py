@@ -27,6 +27,7 @@ import warnings
 import compilers  # noqa: F401 - first: sets JAX_PLATFORMS=cpu before jax starts
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import schedule
@@ -251,3 +252,73 @@ def test_dropless_sends_the_routed_rows_by_ragged_all_to_all(name, grad):
   platform = "tpu" if platform_is_tpu(name) else "cuda"
   assert len(warned) == 1 and warned[0].startswith(
       f"expert_parallel(capacity=None) on {platform}:"), warned
+
+
+# --- fsdp_scan beside an expert stream: who holds the v5e's one slot --------------
+
+FSDP_EP = (2, 4)      # the target's 8 devices as ("fsdp", "ep")
+
+
+def fsdp_stream_program(t):
+  """value_and_grad of fsdp_scan over 2 layers, each a projection and a
+  router (sharded over "fsdp") and an expert_stream over "ep" of the
+  layer's tokens in 2 groups (its experts sharded over "ep" and "fsdp"),
+  in one ordered block as llama_4d's `moe_stream`."""
+  mesh = jax.sharding.Mesh(np.asarray(t.mesh.devices).reshape(FSDP_EP), ("fsdp", "ep"))
+  half = TOKENS // 2
+
+  def layer(w, x):
+    @jax_overlap.program_order(enforce=True)
+    def run(w, x):
+      stream = jax_overlap.expert_stream(
+          expert, {"w_in": w["w_in"], "w_out": w["w_out"]}, axis="ep", capacity=half)
+      parts = [x[:half], x[half:]]
+      for c in range(2):
+        h = jax_overlap.program_order(enforce=False)(
+            lambda x=parts[c]: jnp.tanh(x @ w["proj"]))()
+        weights, ids = jax.lax.top_k(jax.nn.softmax(h @ w["router"]), K)
+        stream.send(h, ids, weights)
+      return jnp.concatenate([p + out.done()[0] for p, out in zip(parts, stream.close())])
+    return run(w, x)
+
+  def body(x, params):
+    return jnp.sum(jax_overlap.fsdp_scan(
+        layer, x, params, axis="fsdp", params_first=True,
+        shard_dims={"proj": 1, "router": 1, "w_in": 2, "w_out": 3}) ** 2)[None]
+
+  loss = jax.shard_map(body, mesh=mesh, in_specs=(
+      P(("fsdp", "ep")), {"proj": P(None, "fsdp"), "router": P(None, "fsdp"),
+                          "w_in": P(None, "ep", "fsdp"), "w_out": P(None, "ep", None, "fsdp")}),
+      out_specs=P(("fsdp", "ep")))
+  fn = jax.value_and_grad(lambda *a: loss(*a).sum(), argnums=(0, 1))
+  n, layers, experts = t.n, 2, LOCAL * FSDP_EP[1]
+  lay = lambda shape, spec: jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
+  args = (lay((n * TOKENS, WIDTH), P(("fsdp", "ep"))),
+          {"proj": lay((layers, WIDTH, WIDTH), P(None, "fsdp")),
+           "router": lay((layers, WIDTH, experts), P(None, "fsdp")),
+           "w_in": lay((layers, experts, WIDTH, HIDDEN), P(None, "ep", "fsdp")),
+           "w_out": lay((layers, experts, HIDDEN, WIDTH), P(None, "ep", None, "fsdp"))})
+  return fn, args
+
+
+def test_fsdp_beside_an_expert_stream_keeps_every_collective_async():
+  # The v5e keeps one async all-to-all in flight. fsdp_scan's reduce-scatter
+  # form (an all-to-all) held it across a layer's backward, and the layer's
+  # exchanges (or fsdp's own pieces) ran as their synchronous fallback,
+  # all-gathers: 13 of them here, 4 async. Beside a layer that starts
+  # all-to-alls, fsdp_scan moves by permutes (patterns/fsdp/all_to_all_slot.py):
+  # no synchronous gather or exchange, every pair with compute in flight.
+  # (The sums over "ep" of the projection's and router's gradients, which
+  # are replicated over it, are autodiff's all-reduces: not counted here.)
+  fn, args = fsdp_stream_program(target("tpu_v5e"))
+  text = compiled_text(fn, *args)
+  pairs = schedule.windows(text)
+  computing = lambda w: any(i.is_matmul or i.opcode in ("fusion", "custom-call", "convolution")
+                            for i in w.between)
+  kinds = {w.kind for w in pairs}
+  assert {"all-to-all", "collective-permute"} <= kinds, kinds
+  assert "all-gather" not in kinds and "reduce-scatter" not in kinds, kinds
+  assert all(computing(w) for w in pairs), [(w.kind, w.start) for w in pairs if not computing(w)]
+  sync = re.findall(r"= [^=]*? (all-gather|all-to-all|reduce-scatter)\(", text)
+  assert not sync, sync

@@ -83,6 +83,16 @@ TABLE = (
           "elsewhere they are finished where they start",
           "tests/aot/real_compilers_test.py::"
           "test_fsdp_scan_backward_overlaps_regathers_and_reduce_scatters"),
+    Quirk("tpu-fsdp-permutes-beside-all-to-alls", "tpu", _kinds("TPU v5 lite"),
+          "libtpu", ("0.0.52", "0.0.52"),
+          "where fsdp_scan's layer starts all-to-all futures of its own (an "
+          "expert stream's exchanges), fsdp_scan's gathers and "
+          "reduce-scatters are permute futures (as tpu-permute-forms): the "
+          "compiler keeps one async all-to-all in flight, and a reduce-scatter "
+          "form held across a layer's backward left the layer's exchanges to "
+          "run synchronous, and they it",
+          "tests/aot/moe_compiled_test.py::"
+          "test_fsdp_beside_an_expert_stream_keeps_every_collective_async"),
     Quirk("tpu-permute-scheduler", "tpu", _kinds("TPU v5"), "libtpu",
           ("0.0.52", "0.0.52"),
           "modules with several permute futures get "

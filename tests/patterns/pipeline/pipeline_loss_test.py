@@ -163,24 +163,37 @@ def test_gradient_of_a_jitted_program(schedule, transform):
     np.testing.assert_allclose(a, b, **TOL)
 
 
+# what the stage closes over: a traced float scale, a traced int (a step
+# count the stage mixes with a literal), both
+CLOSED = {
+    "float": lambda c, k: (lambda prm, x: stage(prm, x * c)),
+    "int": lambda c, k: (lambda prm, x: stage(prm, x * (k + 1).astype(x.dtype))),
+    "both": lambda c, k: (lambda prm, x: stage(prm, x * c * (k + 1).astype(x.dtype))),
+}
+
+
+@pytest.mark.parametrize("closed", sorted(CLOSED))
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("order", ["grad_of_jit", "jit_of_grad"])
-def test_stage_closing_over_a_traced_float(order, recompute):
+def test_stage_closing_over_traced_values(order, recompute, closed):
   """A stage_fn closing over a traced float gets its gradient; it was a
   leaked tracer in the custom_vjp's rules (CustomVJPException,
-  UnexpectedTracerError, or the constant-handler TypeError under jit)."""
+  UnexpectedTracerError, or the constant-handler TypeError under jit). One
+  closing over a traced int runs too: it leaked under grad of jit, and the
+  kept residuals' layout cast it varying, which `k + 1` refused."""
   p, m = 2, 4
   params, xs, ts = model(p, m)
-  scaled = lambda c: (lambda prm, x: stage(prm, x * c))
+  scaled = CLOSED[closed]
 
-  def piped(params, xs, ts, c):
-    body = lambda q, x, t: pipeline_loss(scaled(c), mse, q, x, t, axis="pp",
-                                         recompute=recompute)
+  def piped(params, xs, ts, c, k):
+    body = lambda q, x, t: pipeline_loss(scaled(c, k), mse, q, x, t,
+                                         axis="pp", recompute=recompute)
     return jax.shard_map(body, mesh=mesh(p), in_specs=(P("pp"), P(), P()),
                          out_specs=P())(params, xs, ts)
 
-  ref = lambda params, xs, ts, c: sequential_loss(params, xs, ts, scaled(c))
-  args = (params, xs, ts, jnp.float32(1.5))
+  ref = lambda params, xs, ts, c, k: sequential_loss(params, xs, ts,
+                                                     scaled(c, k))
+  args = (params, xs, ts, jnp.float32(1.5), jnp.int32(2))
   diff = lambda f: jax.value_and_grad(f, argnums=(0, 1, 3))
   run = ((lambda f: diff(jax.jit(f))) if order == "grad_of_jit"
          else (lambda f: jax.jit(diff(f))))

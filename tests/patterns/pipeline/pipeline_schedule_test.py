@@ -138,16 +138,19 @@ def test_peak_activations(p, m):
 
 @pytest.mark.parametrize("p,k", list(itertools.product((2, 3, 4, 8), (2, 3, 4))))
 def test_zb_v_bubble_and_peak(p, k):
-  """ZB-V under unit costs (a chunk's F, I and W each 1, sends free), m >=
-  2p. The literature's table (send_ticks=0): every device runs its 6m
-  chunk actions and device p-1 cannot start before tick p-1, so the
-  makespan is at least 6m+p-1 and the bubble at least (p-1)/(6m+p-1); the
-  table reaches that bound (p=4, m=8: 0.0588, 51 ticks), below ZB-H1's
-  (p-1)/(3m+p-1) (0.111) and 1F1B's (0.273), holding 2p
-  chunk-microbatches a device, 1F1B's p stage-microbatches. The default
-  table (a tick a send): below ZB-H1's default, the peak again 1F1B's
-  default's in stage units (p=4, m=8: 0.0769 against 0.111; 14 chunks, 7
-  stages)."""
+  """ZB-V under unit costs (a chunk's F, I and W each 1), m >= 2p. The
+  literature's table (send_ticks=0): every device runs its 6m chunk actions
+  and device p-1 cannot start before tick p-1, so the makespan is at least
+  6m+p-1 and the bubble at least (p-1)/(6m+p-1); the table reaches that
+  bound (p=4, m=8: 0.0588, 51 ticks), below ZB-H1's (p-1)/(3m+p-1) (0.111)
+  and 1F1B's (0.273), holding 2p chunk-microbatches a device, 1F1B's p
+  stage-microbatches. The default table (a tick a send): device p-1 cannot
+  start before tick 2(p-1), so at least 6m+2(p-1) ticks; the table has
+  exactly that many (p=4, m=8: 54, was 57), `simulate()` (a send a tick)
+  gives that makespan and the bubble (p-1)/(3m+p-1), and with free sends
+  it is the literature's table's 6m+p-1; its peak, 2(2p-1) chunks, is twice
+  1F1B's default's 2p-1 stage inputs, and no less can reach the bound:
+  device p-1's first I comes 4(p-1)+2 ticks after its first forward."""
   m = k * p
   sim = lambda s, v=1, send=0: pipeline_schedule(s, p, m, v, send_ticks=send
                                                  ).simulate(send=0)
@@ -157,9 +160,32 @@ def test_zb_v_bubble_and_peak(p, k):
   assert zbv.bubble_fraction < sim("zb-h1").bubble_fraction < sim("1f1b").bubble_fraction
   assert zbv.peak_activations == (2 * p,) * p
   assert max(zbv.peak_activations) == 2 * max(sim("1f1b").peak_activations)
-  default = sim("zb-v", 2, None)
-  assert default.bubble_fraction < sim("zb-h1", 1, None).bubble_fraction
-  assert max(default.peak_activations) <= 2 * max(sim("1f1b", 1, None).peak_activations)
+  plan = pipeline_schedule("zb-v", p, m, 2)
+  assert plan.send_ticks == 1
+  assert plan.ticks == 6 * m + 2 * (p - 1)
+  default = plan.simulate()
+  assert default.makespan == plan.ticks
+  assert default.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+  assert plan.simulate(send=0).makespan == 6 * m + p - 1
+  assert default.peak_activations == (2 * (2 * p - 1),) * p
+  assert max(default.peak_activations) == 2 * max(sim("1f1b", 1, None).peak_activations)
+  assert (plan.simulate(send=0.1).bubble_fraction
+          < pipeline_schedule("zb-h1", p, m).simulate(send=0.1).bubble_fraction)
+
+
+@pytest.mark.parametrize("send", [0, 1])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zb_v_ticks_are_the_least_for_every_m(p, send):
+  """For every m >= p, a send 0 or 1 tick: 6m + (1+s)(p-1) ticks (device
+  p-1 starts at tick (1+s)(p-1) and runs 6m actions), plus what device p-1
+  must idle where m is too small to fill its warm-up: only forwards can run
+  there until its first I, 2(1+s)(p-1)+2 ticks in, and there are 2m of them.
+  No shorter table exists, and none holds more than the cap."""
+  h = 1 + send
+  for m in range(p, 4 * p + 1):
+    plan = pipeline_schedule("zb-v", p, m, 2, send_ticks=send)
+    assert plan.ticks == 6 * m + h * (p - 1) + max(0, 2 * (h * (p - 1) + 1 - m))
+    assert max(plan.simulate().peak_activations) <= 2 * min(m, h * (p - 1) + 1)
 
 
 def test_zb_v_print_and_placement():

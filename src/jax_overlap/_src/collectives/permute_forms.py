@@ -76,6 +76,12 @@ COLLECTIVES = ("all_gather", "psum_scatter")
 _SWITCH = comm_lib.FormSwitch()
 forced, is_forced = _SWITCH.forced, _SWITCH.is_forced
 
+#: fsdp_scan's switch: `with beside_all_to_alls(): ...` chooses the forms
+#: where the TPU's one all-to-all slot is wanted by the futures of the code
+#: they are in flight over (quirks.py, "tpu-fsdp-permutes-beside-all-to-alls").
+_BESIDE = comm_lib.FormSwitch()
+beside_all_to_alls = _BESIDE.forced
+
 
 def wanted(name: str) -> bool:
   """Whether a future of collective `name` started now is made of permutes
@@ -87,6 +93,9 @@ def wanted(name: str) -> bool:
   platform, kind = _compat.trace_device()
   if name == "all_gather" and not _compat.ASYNC_CUSTOM_CALLS and \
       quirks.applies("tpu-plain-permute-gathers", platform, kind):
+    return True
+  if _BESIDE.is_forced() and quirks.applies(
+      "tpu-fsdp-permutes-beside-all-to-alls", platform, kind):
     return True
   return quirks.applies("tpu-permute-forms", platform, kind)
 

@@ -43,6 +43,7 @@ from jax_overlap._src.ordering.decorator import program_order
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives.future import Future
 from jax_overlap._src.xla import gpu_ties
+from jax_overlap._src.patterns.fsdp import all_to_all_slot
 from jax_overlap._src.patterns.fsdp.buckets import Bucket, plan_buckets
 from jax_overlap._src.patterns.fsdp.precision import Precision
 from jax_overlap._src.patterns.fsdp.transfer_protocol import FutureTransfer
@@ -91,6 +92,8 @@ class ShardMapTransfer:
   """
 
   in_shard_map = True   # the moves are futures; plan.py splits layer 0
+  # the permute forms, beside a layer's all-to-alls (all_to_all_slot.py)
+  permutes = False
 
   def __init__(self, axis, dims, precision=None, dtypes=None, bucket=False,
                replica=None):
@@ -125,6 +128,10 @@ class ShardMapTransfer:
                         [_compat.varying_axes(a) for a in leaves])
 
   def gather_starts(self, shards):
+    with all_to_all_slot.forms(self.permutes):
+      return self._gather_starts(shards)
+
+  def _gather_starts(self, shards):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shards)
     cast = [self.precision.for_gather(a) for _, a in leaves]
     buckets, lone = self._plan(cast)
@@ -160,11 +167,15 @@ class ShardMapTransfer:
     """HSDP: all-reduce each reduce-scattered gradient shard over the
     replica axes."""
     def start(path, s, d):
-      with moving_leaf(path):
+      with moving_leaf(path), all_to_all_slot.forms(self.permutes):
         return psum_start(s, self.replica)
     return self._per_leaf(start, shards)
 
   def scatter_starts(self, grads):
+    with all_to_all_slot.forms(self.permutes):
+      return self._scatter_starts(grads)
+
+  def _scatter_starts(self, grads):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
     grads_ = [a for _, a in leaves]
     # (Planned on the gradients' dtypes, which are the gathered weights'.)
@@ -221,9 +232,17 @@ class ShardMapTransfer:
     return part
 
   def for_layer(self, layer: Callable, x, shards):
-    """This transfer, fitted to `layer` (inside shard_map: as it is)."""
-    del layer, x, shards
-    return self
+    """This transfer, fitted to `layer`: as it is, but on a v5e whose
+    layer starts all-to-all futures, a copy that moves by permutes
+    (all_to_all_slot.py)."""
+    if not (self.moves() and all_to_all_slot.wanted()):
+      return self
+    if not all_to_all_slot.holds_all_to_alls(
+        lambda x, s: layer(x, self.gather_now(s)), x, shards):
+      return self
+    fitted = copy.copy(self)
+    fitted.permutes = True
+    return fitted
 
   def gather_now(self, shards):
     return finish_moves(self.gather_starts(shards))

@@ -45,7 +45,7 @@ NAME = "expert_stream"
 
 
 def expert_stream(expert_fn: Callable[[Any, Any], Any], expert_params, *,
-                  axis, capacity: int) -> "ExpertStream":
+                  axis, capacity: int, recompute: bool = False) -> "ExpertStream":
   """Mixture-of-experts over token groups sent one at a time, every exchange
   a future in flight beside the experts or the caller's own work.
 
@@ -61,7 +61,10 @@ def expert_stream(expert_fn: Callable[[Any, Any], Any], expert_params, *,
   `close`) starts. Gradients flow by jax's own differentiation to each
   group's `x` and `weights`, to `expert_params` and to what `expert_fn`
   closes over; in an ordered block the backward's exchanges are in flight
-  too (the module's docstring says how).
+  too (the module's docstring says how). The experts' activations are
+  saved for the backward as jax saves them, or with `recompute=True` run
+  again there (`jax.checkpoint`, as `expert_parallel` does): each group
+  then keeps only what arrived at its experts.
 
   Args:
     expert_fn: `expert_fn(expert_params_e, tokens[C, D]) -> [C, D']`, as
@@ -71,6 +74,8 @@ def expert_stream(expert_fn: Callable[[Any, Any], Any], expert_params, *,
     capacity: rows each expert accepts from each source device, per group
       (an int >= 1; a stream has no dropless form: a ragged exchange is
       synchronous on GPU and TPU, so there is nothing to stream).
+    recompute: run the experts' forward again in the backward instead of
+      saving their activations (a bool; default False).
 
   Returns:
     An `ExpertStream`.
@@ -107,8 +112,11 @@ def expert_stream(expert_fn: Callable[[Any, Any], Any], expert_params, *,
         f"{NAME}(expert_fn=...) must be a function "
         f"expert_fn(expert_params_e, tokens[C, D]) -> [C, D'], got "
         f"{expert_fn!r}.")
+  if not isinstance(recompute, bool):
+    raise TypeError(f"{NAME}(recompute=...) must be True or False, got "
+                    f"{recompute!r}.")
   return ExpertStream(expert_fn, expert_params, axis,
-                      check_stream_capacity(NAME, capacity))
+                      check_stream_capacity(NAME, capacity), recompute)
 
 
 class _Group:
@@ -124,9 +132,10 @@ class _Group:
 class ExpertStream:
   """An `expert_stream`: `send` groups, then `close()` once."""
 
-  def __init__(self, expert_fn, expert_params, axis, capacity):
+  def __init__(self, expert_fn, expert_params, axis, capacity,
+               recompute=False):
     self._fn, self._params, self._axis = expert_fn, expert_params, axis
-    self._capacity = capacity
+    self._capacity, self._recompute = capacity, recompute
     self._groups: list[_Group] = []
     self._flight = None     # (the exchange, its dispatch group, its combine group)
     self._closed = False
@@ -215,12 +224,14 @@ class ExpertStream:
     fn, params = self._fn, self._params
     call = group.call
 
-    def run(arrived):
+    def run(params, arrived):
       tokens = _to_experts(arrived)
       out = jax.vmap(fn)(params, tokens)
       check_expert_output(out, tokens, call.experts_local, name=NAME)
       return _from_experts(call, out)
-    group.reply = _free(run, group.arrived)
+    if self._recompute:
+      run = jax.checkpoint(run)
+    group.reply = _free(run, params, group.arrived)
     group.arrived = None
 
   def _output(self, group: _Group):

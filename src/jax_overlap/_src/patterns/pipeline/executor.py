@@ -80,6 +80,9 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   prog = _buffers.program(plan)
   m = plan.microbatches
   vary = lambda a: _varying.vary_over(a, axes)
+  # consts keep their type but floats' (pieces.py casts those): an int the
+  # stage mixes with a literal would not match a varying one (issue 43)
+  vary_float = lambda a: vary(a) if is_float(a) else a
   rows = max(prog.slots, 1)
   stack = lambda a, n: vary(jnp.zeros((n,) + jnp.shape(a), a.dtype))
   state = dict(inputs=jax.tree.map(lambda a: stack(a, rows), zero_act),
@@ -97,7 +100,7 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   if with_grads and recompute is not True:
     chunk = jax.tree.map(lambda a: vary(a[0]) if is_float(a) else a[0], params)
     layout = _residuals.layout(model.stage, recompute, chunk,
-                               jax.tree.map(vary, consts), zero_act,
+                               jax.tree.map(vary_float, consts), zero_act,
                                vary(jnp.zeros((), jnp.int32)), axes)
     state["res"] = [vary(jnp.zeros((rows,) + a.shape, a.dtype))
                     for a in layout.kept]

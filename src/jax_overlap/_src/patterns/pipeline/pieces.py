@@ -7,7 +7,7 @@ another axis (the model then runs in lockstep), and what `loss_fn`,
 `before` and `stage_fn` close over. Closed-over traced values (an LM head,
 an embedding table, a stage's shared scale) become explicit inputs, the
 floats with gradients (stage_fn's only where it closes over a traced
-float; test_stage_closing_over_a_traced_float): the
+value; test_stage_closing_over_traced_values): the
 traced program is evaluated again with them cast to vary like the
 activations, so that each device's backward keeps its own part of their
 gradient (summed once, as for the stage parameters) instead of jax summing
@@ -79,14 +79,11 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   closed, out = jax.make_jaxpr(stage, return_shape=True)(chunk, act, i0)
   _checks.check_stage_output(act, out)
   found["stage"] = _checks.collective_axes(_compat.open_jaxpr(closed))
-  if any(isinstance(c, core.Tracer) and is_float(c)
-         for c in _compat.jaxpr_consts(closed)):
-    # stage_fn closes over traced floats (a shared weight, a traced scale):
-    # given as inputs like loss_fn's, they get gradients and do not leak
-    # into the custom_vjp's rules (the executor already differentiates the
-    # stage with respect to `consts`). Not yet for traced ints: the
-    # executor's residual layout casts every const to vary, which a jaxpr
-    # mixing the int with a constant refuses (a known gap).
+  if any(isinstance(c, core.Tracer) for c in _compat.jaxpr_consts(closed)):
+    # stage_fn closes over traced values (a shared weight, a traced scale,
+    # a step count): given as inputs like loss_fn's, they do not leak into
+    # the custom_vjp's rules, and the floats get gradients (the executor
+    # differentiates the stage with respect to `consts`; ints get float0).
     run_stage, stage_consts, _, _ = _convert(stage, (chunk, act, i0),
                                              "stage_fn", vary)
   else:   # the common case: the user's function as written

@@ -14,11 +14,12 @@ here: a device runs a pending W where its next F or I cannot run, or where an
 F would hold more activations than 1F1B's stage 0 (so the peak stays
 1F1B's).
 ZB-V (`_place_zero_bubble_v`) has no fixed order: on its V (device d holds
-stages d and 2p-1-d, actions.py) each device runs, of what is ready, an I,
-else a forward under twice 1F1B's peak in chunks, else a pending W; under
-unit costs and free sends its table is 6m+p-1 ticks, the least any table
-on the V can be (device p-1 runs 6m actions and starts at tick p-1 at the
-earliest).
+stages d and 2p-1-d, actions.py) each device runs, of what is ready, a
+forward under twice 1F1B's peak in chunks, else an I, else a pending W,
+and a W first where its last forwards would otherwise miss the tick that
+the bound leaves them; for m >= 2p its table is 6m+(1+s)(p-1) ticks with
+sends of s=0 or 1 tick, the least any table on the V can be (device p-1
+runs 6m actions and starts at tick (1+s)(p-1) at the earliest).
 DualPipeV's order (orders.py) holds F&B cells, `Pair`s of a forward and a
 backward run at one tick; a Pair waits for both parts' inputs. Pinned by
 tests/patterns/pipeline/pipeline_schedule_test.py.
@@ -31,7 +32,8 @@ from collections import deque
 from jax_overlap._src.patterns.pipeline import orders as _orders
 from jax_overlap._src.patterns.pipeline import plan
 from jax_overlap._src.patterns.pipeline.actions import (F, I, W, Action, Pair,
-                                                       parts, placement_of)
+                                                       device_chunk, parts,
+                                                       placement_of)
 
 
 #: The schedules whose default table has one kind of action a tick.
@@ -136,9 +138,11 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
       `virtual_stages` chunks a device), "zb-h1" (zero bubble: the backward
       split into its input gradient I and weight gradient W, each W run later
       to fill the bubbles) or "zb-v" (zero bubble on a V of two chunks a
-      device: `virtual_stages=2`, device d holds stages d and 2p-1-d; its
-      bubble under unit costs with free sends, (p-1)/(6m+p-1), is the least
-      any table on the V has) or "dualpipev" (DeepSeek's DualPipe cut in
+      device: `virtual_stages=2`, device d holds stages d and 2p-1-d; under
+      unit costs and m >= 2p its table is 6m+(1+s)(p-1) ticks with sends of s ticks,
+      s = 0 or 1 (the default), the least any table on the V has: a bubble
+      of (p-1)/(6m+p-1) with free sends, (p-1)/(3m+p-1) with a tick a send)
+      or "dualpipev" (DeepSeek's DualPipe cut in
       half, on ZB-V's V, `virtual_stages=2`, m >= 2p: in the steady state a
       device runs a forward of one chunk and a backward of the other, of
       different microbatches, in one tick, an F&B cell printed `F3+B1.1`;
@@ -172,6 +176,9 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     >>> sim = zbv.simulate()   # peaks in chunk-microbatches, half a stage each
     >>> zbv.ticks, round(sim.bubble_fraction, 4), sim.peak_activations
     (51, 0.0588, (8, 8, 8, 8))
+    >>> zbv = jax_overlap.pipeline_schedule("zb-v", 4, 8, 2)   # a tick a send
+    >>> zbv.ticks, round(zbv.simulate(send=0).bubble_fraction, 4)
+    (54, 0.0588)
     >>> dpv = jax_overlap.pipeline_schedule("dualpipev", 4, 8, 2, send_ticks=0)
     >>> sim = dpv.simulate()   # an F&B cell costs its parts' sum
     >>> dpv.ticks, sim.makespan, round(sim.bubble_fraction, 4), sim.peak_activations
@@ -186,23 +193,50 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
   return place(schedule, stages, microbatches, virtual_stages, send_ticks)
 
 
-#: ZB-V's choice on a device at a tick: the first of these that can run (a
-#: forward only under the cap), else its oldest pending W.
-_V_PRIORITY = ((I, 0), (I, 1), (F, 1), (F, 0))
+#: ZB-V's preference on a device at a tick, of what can run: a forward
+#: (under the cap), then an I; chunk 1's first (nearer the loss).
+_V_PRIORITY = ((F, 1), (F, 0), (I, 1), (I, 0))
 
 
 def _place_zero_bubble_v(p: int, m: int, send_ticks: int) -> plan.PipelinePlan:
   """ZB-V (Qi et al.): two chunks a device on a V (actions.py), each
-  backward split into I and W. A device runs, of the actions whose inputs
-  are there, an I (chunk 1's first: it is nearer the loss), else a forward
-  (chunk 1's first) while it holds fewer than `cap` chunk-microbatches, else
-  its oldest pending W; so the warm-up runs chunk 0's forwards until chunk
-  1's arrive, the steady state alternates forwards and I's, and the W's fill
-  what would be bubbles. `cap` is 1F1B's stage-0 peak for these sends,
-  counted in chunks (a chunk is half a stage): the peak memory stays
-  1F1B's."""
+  backward split into I and W, in the fewest ticks any table on the V has
+  for sends of s = `send_ticks` = 0 or 1 tick: 6m + (1+s)(p-1) where m >=
+  (1+s)(p-1)+1 (at s=1, m >= 2p-1), holding at most `cap` = 2 min(m,
+  (1+s)(p-1)+1) chunk-microbatches a device: 1F1B's stage-0 peak under the
+  same sends, in chunks (half a stage each). (Larger s: a valid table, not
+  always the shortest.)
+
+  Why no table is shorter: device p-1 runs 6m actions and cannot start
+  before microbatch 0's forward has crossed p-1 sends, at tick (1+s)(p-1).
+  Why it needs that memory: its first I (microbatch 0 on chunk 1) waits for
+  the forward to reach the loss on device 0 and the gradient to come back,
+  2(1+s)(p-1)+2 ticks after its start, and a device that never idles runs
+  only forwards until then: 2(1+s)(p-1)+2 live chunk-microbatches (14 at
+  p=4, s=1). With fewer microbatches than that needs, device p-1 idles the
+  difference and so does the table: 2((1+s)(p-1)+1-m) ticks more.
+
+  How: each device runs, of what can run, a forward (chunk 1's first) while
+  it holds fewer than `cap` chunk-microbatches, else an I (chunk 1's first),
+  else its oldest pending W; and it runs a W first where its forwards would
+  otherwise be late: each forward has a latest tick (`_latest_forwards`:
+  later, microbatch m-1 could not reach the loss and come back by the
+  bound), and the n forwards due by a tick need live+n-cap W's before them
+  to fit under the cap. So chunk 0's forwards fill the warm-up up to the
+  cap, each device then turns them into I's as the gradients arrive, and
+  the W's free memory just in time for the last forwards and fill the drain.
+  Tests: tests/patterns/pipeline/pipeline_schedule_test.py
+  (`test_zb_v_bubble_and_peak`, `test_zb_v_ticks_are_the_least_for_every_m`:
+  the tick counts above for p in 2, 3, 4, 8, m from p to 4p, s = 0 and 1).
+
+  Example:
+    >>> zbv = _place_zero_bubble_v(4, 8, 1)
+    >>> zbv.ticks, zbv.simulate().peak_activations   # 6m + 2(p-1)
+    (54, (14, 14, 14, 14))
+  """
   placement = "v"
   cap = 2 * min(m, (p - 1) * (1 + send_ticks) + 1)
+  due = _latest_forwards(p, m, send_ticks)
   nxt = [dict.fromkeys(_V_PRIORITY, 0) for _ in range(p)]
   pending_w: list[deque] = [deque() for _ in range(p)]
   live = [0] * p
@@ -215,6 +249,10 @@ def _place_zero_bubble_v(p: int, m: int, send_ticks: int) -> plan.PipelinePlan:
       raise AssertionError(f"zb-v: no progress placing ({p}, {m})")
     row: list[Action | None] = [None] * p
     for d in range(p):
+      left = [m - nxt[d][F, c] for c in (0, 1)]
+      if pending_w[d] and _free_a_row_now(live[d], cap, left, due[d], t):
+        row[d] = pending_w[d].popleft()
+        continue
       for kind, chunk in _V_PRIORITY:
         i = nxt[d][kind, chunk]
         if i >= m or (kind == F and live[d] >= cap):
@@ -230,6 +268,36 @@ def _place_zero_bubble_v(p: int, m: int, send_ticks: int) -> plan.PipelinePlan:
     todo -= _record(row, t, p, placement, done_at, (live, pending_w))
     table.append(tuple(row))
   return plan.PipelinePlan("zb-v", p, m, 2, send_ticks, tuple(table), placement)
+
+
+def _latest_forwards(p: int, m: int, send_ticks: int) -> list[tuple[int, int]]:
+  """Per device, the latest tick of its (chunk 0, chunk 1) forwards for a
+  table of 6m + (1+s)(p-1) ticks: later, that microbatch's gradient could
+  not come back to device 0 (stage 0's I, then its W) by the last tick."""
+  hop = lambda g, h: 1 + (send_ticks if device_chunk(g, p, "v")[0]
+                          != device_chunk(h, p, "v")[0] else 0)
+  last = 6 * m + (1 + send_ticks) * (p - 1) - 1
+  grad = [last - 1]                       # stage 0's I, before its W
+  for g in range(1, 2 * p):
+    grad.append(grad[-1] - hop(g, g - 1))
+  forward = [0] * (2 * p)
+  forward[-1] = grad[-1] - 1              # the loss stage's F, then its I
+  for g in reversed(range(2 * p - 1)):
+    forward[g] = forward[g + 1] - hop(g, g + 1)
+  return [(forward[d], forward[2 * p - 1 - d]) for d in range(p)]
+
+
+def _free_a_row_now(live: int, cap: int, left: list[int],
+                    due: tuple[int, int], t: int) -> bool:
+  """Whether a device holding `live` chunk-microbatches, with `left[c]`
+  forwards of chunk c to run by tick `due[c]` each, must run a W at tick t:
+  the n forwards due by a tick need live+n-cap W's before them, and those
+  and the forwards do not fit in the ticks from t to it otherwise."""
+  for c in (0, 1):
+    n = sum(k for k, by in zip(left, due) if by <= due[c])
+    if live + n > cap and 2 * n + live - cap > due[c] - t:
+      return True
+  return False
 
 
 def _ready(deps, done_at: dict, d: int, t: int, send_ticks: int) -> bool:
