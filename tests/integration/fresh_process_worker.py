@@ -175,6 +175,31 @@ def _future(name):
   return run
 
 
+def _pvary(context, mesh, checks):
+  """pvary_start on a replicated scale beside a varying x (P(AXIS)): the
+  same as jax's implicit cast, value and both gradients."""
+  def body(cast):
+    def f(v, scale):
+      fut = cast(scale)
+      side = jnp.tanh(v @ v.T) @ v       # written while the future is open
+      s = fut.done() if cast is not _implicit else fut
+      return v * s, side
+    return _shard_map(context, mesh, f, in_specs=(P(AXIS), P()),
+                      out_specs=(P(AXIS), P(AXIS)))
+  loss = lambda out: sum(jnp.sum(t ** 2) for t in out)
+  start = lambda s: jo.pvary_start(s, AXIS)
+  with _context(context, mesh):
+    x = _put(mesh, _x((64, 8)), P(AXIS))
+    scale = _put(mesh, 1.0 + 0.1 * _x((8,), 1), P())
+    got = with_grads(body(start), loss, (0, 1))(x, scale)       # first call
+    want = with_grads(body(_implicit), loss, (0, 1))(x, scale)
+  _close("value and grads", got, want, checks)
+
+
+def _implicit(s):
+  return s    # jax casts it where it meets a varying value
+
+
 def _fsdp_inputs():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(16, 8)).astype(np.float32)
@@ -473,6 +498,7 @@ ENTRIES = {
     "program_order_enforce": (_program_order(True), CONTEXTS),
     "program_order_free": (_program_order(False), CONTEXTS),
     **{name: (_future(name), CONTEXTS) for name in _FUTURES},
+    "pvary_start": (_pvary, CONTEXTS),
     "fsdp_scan_shard_map": (_fsdp_shard_map, CONTEXTS),
     "fsdp_scan_explicit": (_fsdp_explicit, ("explicit",)),
     "fsdp_plan": (_fsdp_plan, CONTEXTS),

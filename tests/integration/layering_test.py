@@ -35,7 +35,7 @@ LAYERS = [
     {"xla"},
     # the public faces of ordering and collectives: they import the xla/
     # modules that register their lowering and compile hook
-    {"ordering.decorator", "collectives.api"},
+    {"ordering.decorator", "collectives.api", "collectives.broadcast"},
     {"patterns"},
     {"inspection", "testing"},
     {"demo", "cli"},
