@@ -16,7 +16,7 @@ from jax_overlap._src.collectives import permute_forms as _permute_forms
 from jax_overlap._src.collectives import ragged as _ragged
 from jax_overlap._src.collectives import ring_psum as _ring_psum
 from jax_overlap._src.collectives import tpu_forms as _tpu_forms
-from jax_overlap._src.collectives.comm import Comm, trace_sync
+from jax_overlap._src.collectives.comm import TRACE_ERRORS, Comm, said_of, trace_sync
 from jax_overlap._src.collectives.future import Future, FutureState, user_frame
 from jax_overlap._src.collectives.misuse import check_axis_name, check_perm
 from jax_overlap._src.collectives.primitives import finish, start
@@ -40,11 +40,8 @@ def _start_future(name: str, fn, x, params=None, *, aux=(),
       x = jax.numpy.asarray(x)
     jaxpr = trace_sync(fn, x, *aux)
     cpu_jaxpr = None if cpu_fn is None else trace_sync(cpu_fn, x, *aux)
-  except (NameError, TypeError, ValueError) as e:
-    # jax's own message, said of the call the user wrote (as the builtin
-    # class: jax's subclasses take other constructor arguments).
-    kind = next(k for k in (NameError, TypeError, ValueError) if isinstance(e, k))
-    raise kind(f"{name}_start: {e}") from None
+  except TRACE_ERRORS as e:
+    raise said_of(f"{name}_start", e) from None
   composed = _permute_forms.compose(name, params, x, where,
                                     first_half=first_half)
   if composed is not None:

@@ -43,7 +43,8 @@ from jax._src import traceback_util
 from jax_overlap._src import _compat
 from jax_overlap._src.collectives import autodiff as _autodiff  # noqa: F401 - registers rules
 from jax_overlap._src.collectives import tpu_forms
-from jax_overlap._src.collectives.comm import Comm, one_bound_axis, trace_sync
+from jax_overlap._src.collectives.comm import (TRACE_ERRORS, Comm, one_bound_axis,
+                                               said_of, trace_sync)
 from jax_overlap._src.collectives.composed import ComposedFuture
 from jax_overlap._src.collectives.future import Future, FutureState, user_frame
 from jax_overlap._src.collectives.misuse import check_axis_name
@@ -114,9 +115,8 @@ def pvary_start(x, axis_name) -> Future:
         "over the axis), or drop the future: no gradient sum is owed there.")
   try:
     jaxpr = trace_sync(functools.partial(_cast, axis_name=axis_name), x)
-  except (NameError, TypeError, ValueError) as e:
-    kind = next(k for k in (NameError, TypeError, ValueError) if isinstance(e, k))
-    raise kind(f"pvary_start: {e}") from None
+  except TRACE_ERRORS as e:
+    raise said_of("pvary_start", e) from None
   if len(names) > 1 and tpu_forms.wanted("psum") and all(
       one_bound_axis(n) is not None for n in names):
     return _per_axis(x, names, where)

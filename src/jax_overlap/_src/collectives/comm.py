@@ -113,6 +113,19 @@ def trace_sync(fn, x, *aux):
   return traced.jaxpr
 
 
+#: The errors jax raises for a bad collective call, said again of the call
+#: the user wrote (`said_of`).
+TRACE_ERRORS = (NameError, TypeError, ValueError)
+
+
+def said_of(call: str, e: Exception) -> Exception:
+  """jax's error `e` (one of TRACE_ERRORS), said of `call` (e.g.
+  "psum_start"), as its builtin class: jax's subclasses take other
+  constructor arguments."""
+  kind = next(k for k in TRACE_ERRORS if isinstance(e, k))
+  return kind(f"{call}: {e}")
+
+
 def _transpose_of(closed, x_aval):
   jaxpr = _compat.open_jaxpr(closed)
   consts = _compat.jaxpr_consts(closed)
