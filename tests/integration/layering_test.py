@@ -35,7 +35,8 @@ LAYERS = [
     {"xla"},
     # the public faces of ordering and collectives: they import the xla/
     # modules that register their lowering and compile hook
-    {"ordering.decorator", "collectives.api", "collectives.broadcast"},
+    {"ordering.decorator", "ordering.interleave", "collectives.api",
+     "collectives.broadcast"},
     {"patterns"},
     {"inspection", "testing"},
     {"demo", "cli"},

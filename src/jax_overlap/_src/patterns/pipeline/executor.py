@@ -24,8 +24,10 @@ branch runs the forward then the backward (they touch different rows);
 lockstep's F slot and B slot each read their own part's microbatch, chunk
 and row, the B slot from the buffers as the tick starts, each part on its
 own side of an optimization barrier (pair_fences.py), so nothing of
-one part's compute waits for the other's collectives (an MoE stage's
-all-to-alls; tests/aot/dualpipev_moe_compiled_test.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
+one part's compute waits for the other's collectives, and the two parts
+zipped at their futures, each part's all-to-alls (an MoE stage's) in flight
+while the other part computes (ordering/interleave.py;
+tests/aot/dualpipev_moe_compiled_test.py). Compiled for TPU (quirks row "tpu-pipeline-tick-gate"), a tick
 reads the parameters through a barrier on the loss the tick before starts
 from (`_gate`), so its weight gathers start a tick or two early at most.
 Values and gradients equal the plain model's:
@@ -260,7 +262,13 @@ def _switch_tick(tick, work, operands, me):
 def _lockstep_tick(tick, work, operands, me):
   """Every device runs one slot for each kind of action the tick holds; a
   device with a Pair is active in two (its forward's and its backward's),
-  each slot reading the microbatch, chunk and row of that kind's part."""
+  each slot reading the microbatch, chunk and row of that kind's part. A
+  Pair tick's two parts are zipped at their futures (pair_fences.zipped)."""
+  run = lambda ops: _lockstep_slots(tick, work, ops, me)
+  return _pair_fences.zipped(run)(operands) if tick.second else run(operands)
+
+
+def _lockstep_slots(tick, work, operands, me):
   per_device = _parts(tick)
   kinds = [k for k in (F, B, I, W) if any(v[0] == k for vs in per_device for v in vs)]
   flag = lambda bits: _pick([int(b) for b in bits], me).astype(bool)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap._src.ordering.barrier_op import barrier
+from jax_overlap._src.ordering.interleave import interleaved
 
 
 #: The buffers a backward action only reads (work.py writes them in forward
@@ -32,6 +33,14 @@ def fenced(state):
   out = dict(state)
   out.update(zip(keys, jax.tree.unflatten(tree, barrier(leaves))))
   return out
+
+
+def zipped(run):
+  """`run` (a Pair tick's slots) with its forward's and backward's
+  equations zipped at their futures (ordering/interleave.py): each part's
+  collectives in flight while the other part computes, one at a time (an
+  MoE stage's all-to-alls; the v5e takes one in flight)."""
+  return interleaved(run, ("pair_forward", "pair_backward"))
 
 
 def scope(tick, name):
