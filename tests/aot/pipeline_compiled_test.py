@@ -9,6 +9,7 @@ step's temporary memory on the H100 compiler is flat in m (its buffer rows
 are the schedule's live activations), GPipe's grows with m (CPU memory is
 no guide: its buffer assignment does not follow the schedule)."""
 
+import functools
 import re
 
 import jax
@@ -36,7 +37,15 @@ def _mse(y, t):
 
 
 def _compiled(name, schedule, v=1, m=M, recompute=False, width=D, batch=BATCH):
-  return _lowered(name, schedule, v, m, recompute, width, batch).compile()
+  return _compiled_once(name, schedule, v, m, recompute, width, batch)
+
+
+@functools.cache
+def _compiled_once(*args):
+  """One compile a program: test_1f1b_temp_memory_is_flat_in_m_and_gpipe_grows's
+  1F1B and GPipe at m = FEW (= M) are test_each_send_is_an_async_pair_around_compute's
+  H100 programs."""
+  return _lowered(*args).compile()
 
 
 def _lowered(name, schedule, v=1, m=M, recompute=False, width=D, batch=BATCH):

@@ -10,6 +10,7 @@ defect 1: that first compile failed on jax 0.10.2 and 0.11.0).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -185,14 +186,19 @@ def run_llama_4d(plan_name: str = "pp_fsdp_tp") -> dict[str, np.ndarray]:
 def single_program_llama_4d(plan_name: str) -> dict[str, np.ndarray]:
   """What `run_llama_4d(plan_name)` returns, from examples/llama_4d.py's
   model as one program on one device (the same parameters and batch): the
-  reference, as in tests/patterns/pipeline/llama_4d_test.py."""
+  reference, as in tests/patterns/pipeline/llama_4d_test.py. Plans of one
+  model and batch size share it (one compile)."""
   sys.path.insert(0, str(EXAMPLES))
   import llama_4d  # noqa: PLC0415
   plan = llama_4d.PLANS[plan_name]
-  cfg = llama_4d.config_for(plan)
+  return _single_program_llama_4d(llama_4d.config_for(plan), llama_4d.batch_size(plan))
+
+
+@functools.cache
+def _single_program_llama_4d(cfg, rows: int) -> dict[str, np.ndarray]:
+  import llama_4d  # noqa: PLC0415
   params = llama_4d.init(cfg, jax.random.key(0))
-  tokens, targets = llama_4d.batch(cfg, jax.random.key(1),
-                                   llama_4d.batch_size(plan), 16)
+  tokens, targets = llama_4d.batch(cfg, jax.random.key(1), rows, 16)
   with jax.default_matmul_precision("highest"):
     loss, grads = jax.jit(jax.value_and_grad(llama_4d.loss))(params, tokens,
                                                              targets)

@@ -170,7 +170,7 @@ def demo(opts) -> int:
   ours, plain = training.losses_for(cfg, mesh, param_specs)
   optimizer = optax.adamw(opts.learning_rate, weight_decay=0.01)
   train_step = training.train_step_for(ours, optimizer)
-  opt_state = optimizer.init(params)
+  opt_state = training.init_on_mesh(optimizer, params, mesh)
   sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(training.AXIS))
   batch = opts.batch_per_device * opts.devices
   probe = [jax.device_put(a, sharding) for a in

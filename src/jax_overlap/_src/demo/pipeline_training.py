@@ -85,7 +85,7 @@ def run(opts: training.Options, schedule: str, microbatches: int = 8) -> int:
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  opt_state = optimizer.init(params)
+  opt_state = training.init_on_mesh(optimizer, params, mesh)
   rng = np.random.default_rng(opts.seed)
   losses = []
   t0 = time.perf_counter()

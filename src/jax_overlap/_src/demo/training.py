@@ -46,6 +46,24 @@ def mesh_of(devices: int):
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def init_on_mesh(optimizer, params, mesh):
+  """`optimizer.init(params)` with every leaf on `mesh`: leaves optax makes on
+  one device (adam's step count) are put replicated on it, where the
+  training step returns them. Why: a step count on one device made the
+  second step compile the step again (its input's sharding changed).
+  Pinned by tests/cli/demo_training_test.py.
+
+    >>> import optax
+    >>> mesh = mesh_of(8)
+    >>> state = init_on_mesh(optax.adam(1e-3), {"w": jnp.zeros(8)}, mesh)
+    >>> state[0].count.sharding.mesh == mesh
+    True
+  """
+  return jax.tree.map(
+      lambda a: a if isinstance(a.sharding, NamedSharding)
+      else jax.device_put(a, NamedSharding(mesh, P())), optimizer.init(params))
+
+
 def losses_for(cfg: model.Config, mesh, param_specs,
                **fsdp_options) -> tuple[Callable, Callable]:
   """(overlapped loss, plain unordered loss), each (params, tokens, targets);
