@@ -112,6 +112,8 @@ def zip_order(jaxpr, label: Sequence, kind: Sequence) -> list[int]:
     order.append(i)
     emitted.add(i)
     defined.update(eqns[i].outvars)
+    if label[i] is None:   # glue: not a part's future
+      return
     if kind[i] == _START:
       flying.append(label[i])
     elif kind[i] == _DONE:
