@@ -122,8 +122,11 @@ def _exchanging_on_one_device():
   device, moving nothing), the cell has the structure the zip works on."""
   from jax_overlap._src.patterns.moe import transport as T
   start = T.PaddedTransport._start
+  if getattr(start, "exchanging", False):   # once a process
+    return
   T.PaddedTransport._start = lambda self, *b: start(
       self._replace(size=-1) if self.size == 1 else self, *b)
+  T.PaddedTransport._start.exchanging = True
 
 
 def measure_fb(size, dtype, steps):

@@ -3,18 +3,16 @@
 `interleaved(fn, parts)` runs `fn` with the equations traced under the named
 scopes `parts[0]` and `parts[1]` (two computations that read nothing of each
 other, say a DualPipeV F&B tick's forward and backward) written in one
-`program_order(enforce=True)` block, in this order: a part runs up to a
-collective future's start, then the other part runs up to its own next start
-inside that window, finishing the first part's future (and the in-window work
-written before its done) just before starting its own. So each part's
-collectives are in flight while the other part computes, and no more than one
-future of the two parts is in flight across them at a time (the TPU v5e takes
-one all-to-all in flight; a part's own futures keep their written overlap).
-Left to themselves the compilers keep each part's pieces together (the v5e:
-1 of 48 F&B all-to-alls with the other part's matmul in flight).
+`program_order(enforce=True)` block, in which each part's collective futures
+are in flight while the other part computes (at least one matmul of it a
+window where it has one), and no more than one future of the two parts is in
+flight at a time (the TPU v5e takes one all-to-all in flight; a part's own
+futures keep their written overlap). `zip_order` says how the next start is
+chosen. Left to themselves the compilers keep each part's pieces together
+(the v5e: 1 of 48 F&B all-to-alls with the other part's matmul in flight).
 
-How: `fn` is traced once, its ordered blocks and jit calls inlined (their
-order is each part's written order, which the zip keeps); the equations
+How: `fn` is traced once, its ordered blocks, jit calls and custom-derivative
+calls inlined (each part's starts and dones keep their written order); the equations
 between two consecutive starts/dones of the zipped order become one free
 block (XLA fuses inside it as it would unordered), the starts and dones steps
 of the ordered block. Equations of neither part (the glue around them) go as
@@ -70,8 +68,8 @@ def interleaved(fn: Callable, parts: tuple[str, str]) -> Callable:
     label = [_part(eqn, parts) for eqn in jaxpr.eqns]
     kind = [_kind(eqn) for eqn in jaxpr.eqns]
     if not all(any(k == _START and l == p for k, l in zip(kind, label))
-               for p in (0, 1)):
-      return fn(*args)
+               for p in (0, 1)):   # fn as written: its trace, replayed
+      return jax.tree.unflatten(out_tree, _closed_eval(traced, flat))
     order = zip_order(jaxpr, label, kind)
     outs = program_order(enforce=True)(
         lambda *a: _emit(jaxpr, consts, order, kind, a))(*flat)
@@ -172,7 +170,7 @@ def zip_order(jaxpr, label: Sequence, kind: Sequence) -> list[int]:
         if p is not None and kind[i]:
           coll[p].remove(i)
 
-  p_first = _first(eqns, coll, comp, kind)
+  p_first = _first(coll, comp, matmul, len(eqns))
   while coll[0] or coll[1]:
     run_glue()
     allow = dones()
@@ -212,9 +210,11 @@ def zip_order(jaxpr, label: Sequence, kind: Sequence) -> list[int]:
     # In the window in flight: x's needs that wait on no future, if x is
     # the other part, and one matmul of the other part if they hold none.
     free = free_of(need)
-    if last is not None and x != last:
+    if last is not None and x != last:    # x's needs fill the window
       emit_in_order(free)
-    if last is not None and not matmul.intersection(free if x != last else ()):
+      if not matmul.intersection(free):
+        fill(x)
+    elif last is not None:                # x's own: the other part fills it
       fill(1 - last)
     emit_in_order(free)
     emit_in_order(sorted(allow))   # the futures in flight finished
@@ -225,13 +225,13 @@ def zip_order(jaxpr, label: Sequence, kind: Sequence) -> list[int]:
   return order
 
 
-def _first(eqns, coll, comp, kind) -> int:
+def _first(coll, comp, matmul, n) -> int:
   """The part that starts first where nothing else decides: the one with
   more futures (its windows are the more to fill), else the one with fewer
   matmuls before its first start."""
   def lead(p):
-    first = coll[p][0] if coll[p] else len(eqns)
-    return sum(_is_matmul(eqns[i]) for i in comp[p] if i < first)
+    first = coll[p][0] if coll[p] else n
+    return sum(i in matmul for i in comp[p] if i < first)
   return min((0, 1), key=lambda p: (-len(coll[p]), lead(p), p))
 
 
@@ -240,14 +240,11 @@ def _emit(jaxpr, consts, order, kind, args):
   starts/dones as one free block, each start and done as itself."""
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
-  read = lambda v: v.val if _is_literal(v) else env[v]
-  later = _read_after(jaxpr, order)
+  last_read = _last_reads(jaxpr, order)
   k = 0
   while k < len(order):
-    i = order[k]
-    if kind[i] is not None:
-      eqn = jaxpr.eqns[i]
-      _write(env, eqn.outvars, _compat.bind_eqn(eqn, [read(v) for v in eqn.invars]))
+    if kind[order[k]] is not None:
+      _eval([jaxpr.eqns[order[k]]], env)
       k += 1
       continue
     end = k
@@ -258,31 +255,52 @@ def _emit(jaxpr, consts, order, kind, args):
     ins = list(dict.fromkeys(v for eqn in gap for v in eqn.invars
                              if not _is_literal(v) and v not in made))
     outs = [v for v in dict.fromkeys(v for eqn in gap for v in eqn.outvars)
-            if not isinstance(v, core.DropVar) and v in later[end]]
+            if not isinstance(v, core.DropVar) and last_read.get(v, -1) >= end]
     vals = program_order(enforce=False)(
-        lambda *a, gap=gap, ins=ins, outs=outs: _run(gap, ins, outs, a))(
+        lambda *a, gap=gap, ins=ins, outs=outs: _eval(gap, dict(zip(ins, a)), outs))(
             *[env[v] for v in ins])
     _write(env, outs, vals)
     k = end
-  return [read(v) for v in jaxpr.outvars]
+  return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _run(eqns, ins, outs, args):
-  env = dict(zip(ins, args))
-  read = lambda v: v.val if _is_literal(v) else env[v]
+def _last_reads(jaxpr, order) -> dict:
+  """Each variable's last position in `order` that reads it (`len(order)`
+  for a returned one)."""
+  last = {}
+  for k, i in enumerate(order):
+    last.update((v, k) for v in jaxpr.eqns[i].invars if not _is_literal(v))
+  last.update((v, len(order)) for v in jaxpr.outvars if not _is_literal(v))
+  return last
+
+
+def _eval(eqns, env, outs=(), inline=False):
+  """Binds `eqns` on the values in `env` (each in its source context),
+  writing their outputs there; with `inline`, evaluates the body of each
+  call `_call_body` names in its place. Returns `outs` read from `env`."""
   for eqn in eqns:
-    _write(env, eqn.outvars, _compat.bind_eqn(eqn, [read(v) for v in eqn.invars]))
-  return [env[v] for v in outs]
+    invals = [_read(env, v) for v in eqn.invars]
+    body = _call_body(eqn) if inline else None
+    if body is None:
+      outvals = _compat.bind_eqn(eqn, invals)
+    else:
+      stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+      with source_info_util.user_context(eqn.source_info.traceback,
+                                         name_stack=stack):
+        outvals = _closed_eval(body, invals, inline=True)
+    _write(env, eqn.outvars, outvals)
+  return [_read(env, v) for v in outs]
 
 
-def _read_after(jaxpr, order) -> list[set]:
-  """`later[k]`: the variables read by `order[k:]` or returned."""
-  later = [set() for _ in range(len(order) + 1)]
-  later[-1] = {v for v in jaxpr.outvars if not _is_literal(v)}
-  for k in range(len(order) - 1, -1, -1):
-    later[k] = later[k + 1] | {v for v in jaxpr.eqns[order[k]].invars
-                               if not _is_literal(v)}
-  return later
+def _closed_eval(closed, args, inline=False):
+  jaxpr = _compat.open_jaxpr(closed)
+  env = dict(zip(jaxpr.constvars, _compat.jaxpr_consts(closed)))
+  env.update(zip(jaxpr.invars, args))
+  return _eval(jaxpr.eqns, env, jaxpr.outvars, inline)
+
+
+def _read(env, v):
+  return v.val if _is_literal(v) else env[v]
 
 
 def _write(env, outvars, vals):
@@ -317,29 +335,9 @@ def _part(eqn, parts) -> int | None:
 
 
 def _inlining(closed):
-  """A function evaluating `closed` with its ordered/free blocks and jit
-  calls inlined, each inner equation in its call's name scope."""
-  jaxpr, consts = _compat.open_jaxpr(closed), _compat.jaxpr_consts(closed)
-  return lambda *args: _inline(jaxpr, consts, args)
-
-
-def _inline(jaxpr, consts, args):
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  read = lambda v: v.val if _is_literal(v) else env[v]
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    body = _call_body(eqn)
-    if body is None:
-      outs = _compat.bind_eqn(eqn, invals)
-    else:
-      stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-      with source_info_util.user_context(eqn.source_info.traceback,
-                                         name_stack=stack):
-        outs = _inline(_compat.open_jaxpr(body), _compat.jaxpr_consts(body),
-                       invals)
-    _write(env, eqn.outvars, outs)
-  return [read(v) for v in jaxpr.outvars]
+  """A function evaluating `closed` with the calls `_call_body` names
+  inlined, each inner equation in its call's name scope."""
+  return lambda *args: _closed_eval(closed, args, inline=True)
 
 
 #: Calls whose body holds a part's futures out of the zip's sight: a
