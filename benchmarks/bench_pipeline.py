@@ -12,9 +12,9 @@ of 2 sequences (one a device), f32, the training loss's `value_and_grad`:
                          tick; interleaved, ZB-V and DualPipeV run two
                          chunks a device (8 stages of 1 block).
   1f1b, gathered once    1F1B with each stage's blocks gathered over FSDP
-  [, recompute]          once, before the pipeline (MaxText's ag_once), each
-                         stage its blocks unrolled; `recompute=True` or the
-                         platform's default.
+  [, recompute | kept]   once, before the pipeline (MaxText's ag_once), each
+                         stage its blocks unrolled; the platform's default,
+                         `recompute=True` or `recompute=False`.
   shift (MaxText)        the approach MaxText and jax's shard_map notebook
                          write: a `lax.scan` over m + p - 1 iterations, every
                          stage running its stage on what it holds (stage 0
@@ -70,12 +70,13 @@ PROFILE = {"gpu_h100": "h100", "tpu_v5e": "tpu-v5e"}
 STAGES, FSDP = 4, 2
 #: pipeline_loss's schedules, each a variant of its own
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev")
-VARIANTS = SCHEDULES + ("1f1b, gathered once",
-                        "1f1b, gathered once, recompute", "shift (MaxText)")
+VARIANTS = SCHEDULES + ("1f1b, gathered once", "1f1b, gathered once, recompute",
+                        "1f1b, gathered once, kept", "shift (MaxText)")
 #: variant -> pipelined_loss's keywords for the variants beyond a schedule
 #: (docs/pipeline.md "Gathering a stage's weights once a step").
 HOW = {"1f1b, gathered once": dict(gather_once=True),
-       "1f1b, gathered once, recompute": dict(gather_once=True, recompute=True)}
+       "1f1b, gathered once, recompute": dict(gather_once=True, recompute=True),
+       "1f1b, gathered once, kept": dict(gather_once=True, recompute=False)}
 
 
 def shift_loss(cfg, mesh, param_specs, m):

@@ -136,3 +136,45 @@ def test_a_bad_recompute_is_refused(bad):
   with pytest.raises(TypeError, match=r"pipeline_loss\(recompute=.*expected "
                      r"None \(the default: True when the program is for TPU"):
     jax.jit(pipelined_loss(2, recompute=bad))(params, xs, ts)
+
+
+def _cast_stage(prm, x):
+  """A mixed-precision stage: its weight cast to bf16 (and transposed), then
+  used; the vjp's residuals hold that cast weight."""
+  w = prm["w"].astype(jnp.bfloat16).T
+  return jnp.tanh((x.astype(jnp.bfloat16) @ w.T).astype(x.dtype) + prm["b"])
+
+
+def test_leaves_from_the_weights_alone_are_not_kept_a_row_a_microbatch():
+  """The vjp leaves a stage computes from its parameters alone (here the
+  weight cast to bf16) are computed again in the backward, not kept in a
+  buffer row a microbatch in flight: the kept leaves are the activation's
+  alone. A stage's debug callback keeps them (it runs once, as written)."""
+  from jax_overlap._src.patterns.pipeline import residuals
+  prm = {"w": jnp.zeros((8, 8)), "b": jnp.zeros((8,))}
+  x, i = jnp.zeros((2, 8)), jnp.zeros((), jnp.int32)
+  fn = lambda w, c, x, i: _cast_stage(w, x)
+  lay = residuals.layout(fn, False, prm, (), x, i, ())
+  assert residuals.WEIGHTS in lay.source, lay.source
+  assert all(a.shape[0] == 2 for a in lay.kept), lay.kept   # x's rows, not w's
+
+  def noisy(w, c, x, i):
+    jax.debug.callback(lambda: None)
+    return _cast_stage(w, x)
+  lay = residuals.layout(noisy, False, prm, (), x, i, ())
+  assert residuals.WEIGHTS not in lay.source, lay.source
+  assert any(a.shape == (8, 8) for a in lay.kept), lay.kept
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb-v", 2)])
+def test_a_mixed_precision_stage_equals_the_sequential_model(schedule, v):
+  p, m = 2, 4
+  params, xs, ts = model(p * v, m)
+  want = _value_and_grad(lambda *a: sequential_loss(*a, stage_fn=_cast_stage),
+                         params, xs, ts)
+  for dispatch in ("switch", "lockstep"):
+    got = _value_and_grad(pipelined_loss(p, stage_fn=_cast_stage, schedule=schedule,
+                                         virtual_stages=v, dispatch=dispatch,
+                                         recompute=False), params, xs, ts)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)

@@ -8,9 +8,15 @@ forward again. The function `jax.vjp` returns is a pytree whose leaves are
 the residual arrays: its structure is found once by tracing the stage on
 the executor's types (`layout`), the leaves that are the stage's own inputs
 (its parameters, the closed-over values, the kept stage input) are read
-back from where they already live, and only the others take rows of the
-executor's buffers: one row a (microbatch, chunk) in flight, the rows the
-kept stage inputs use (buffers.py), so the memory stays flat in m. A
+back from where they already live, the leaves computed from the stage's
+parameters and closed-over values alone (a cast of the weights to bf16, a
+transposed or sliced weight, a gathered one) are computed again in the
+backward from the parameters by that part of the stage alone (`Weights`),
+and only the others take rows of the executor's buffers: one row a
+(microbatch, chunk) in flight, the rows the kept stage inputs use
+(buffers.py), so the memory stays flat in m and holds no copy of the
+weights per microbatch (a stage of unrolled blocks kept every block's
+weights in each row: the bench's "gathered once" H100 row). A
 residual typed as varying over fewer mesh axes than the buffers (one a
 collective's position computes from its axis index alone, say) cannot come
 back from them with its type; the backward computes it again from the
@@ -28,11 +34,15 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
 
 #: A vjp leaf the backward computes again (`Layout.source`).
 AGAIN = "again"
+#: A vjp leaf computed from the stage's parameters and consts alone: the
+#: backward computes it again from them (`Layout.weights`).
+WEIGHTS = "weights"
 
 
 def check_recompute(recompute) -> None:
@@ -75,20 +85,38 @@ def stage_vjp(fn: Callable, recompute, chunk, consts, x):
 
 
 @dataclasses.dataclass(frozen=True)
+class Weights:
+  """The part of the stage that computes the vjp leaves marked `WEIGHTS`
+  from the parameters and consts alone: `jaxpr` (closed, pure) takes the
+  leaves `inputs` of `(chunk, consts)` and returns those vjp leaves, in
+  order."""
+  jaxpr: Any
+  inputs: tuple
+
+  def __call__(self, chunk, consts) -> list:
+    given = jax.tree.leaves((chunk, consts))
+    return jax_core.eval_jaxpr(_compat.open_jaxpr(self.jaxpr),
+                               _compat.jaxpr_consts(self.jaxpr),
+                               *[given[k] for k in self.inputs])
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
   """The stage vjp's structure: `tree` its treedef; `source[k]` for its
   k-th leaf the index of the stage input leaf (of `(chunk, consts, x)`) it
-  is, or None where it is kept in the buffers; `kept` the kept leaves'
-  shapes and dtypes."""
+  is, `WEIGHTS` where `weights` computes it from the parameters and consts,
+  `AGAIN` where the backward's vjp computes it again, or None where it is
+  kept in the buffers; `kept` the kept leaves' shapes and dtypes."""
   tree: Any
   source: tuple
   kept: tuple
   recompute: Any
+  weights: Weights | None = None
 
   def split(self, vjp, inputs) -> list:
     """The leaves of `vjp` to keep (the forward action's)."""
     leaves, _ = jax.tree.flatten(vjp)
-    expected = tuple(None if k == AGAIN else k for k in self.source)
+    expected = tuple(None if k in (AGAIN, WEIGHTS) else k for k in self.source)
     if _sources(leaves, inputs) != expected:
       raise AssertionError(
           "pipeline_loss: the stage's vjp has another structure in the "
@@ -101,7 +129,9 @@ class Layout:
     leaves that are not kept."""
     given, kept = jax.tree.leaves(inputs), iter(kept)
     fresh = jax.tree.leaves(again()) if AGAIN in self.source else None
-    leaves = [next(kept) if k is None else fresh[n] if k == AGAIN else given[k]
+    weights = iter(self.weights(*inputs[:2]) if self.weights else ())
+    leaves = [next(kept) if k is None else fresh[n] if k == AGAIN
+              else next(weights) if k == WEIGHTS else given[k]
               for n, k in enumerate(self.source)]
     return jax.tree.unflatten(self.tree, leaves)
 
@@ -120,14 +150,40 @@ def layout(fn: Callable, recompute, chunk, consts, x, i, axes) -> Layout:
     inputs = (chunk, consts, x)
     _, vjp = stage_vjp(lambda w, c, x_: fn(w, c, x_, i), recompute, *inputs)
     leaves, tree = jax.tree.flatten(vjp)
-    source = _sources(leaves, inputs)
-    found["tree"] = tree
-    found["source"] = tuple(AGAIN if k is None and _narrower(a, axes) else k
-                            for a, k in zip(leaves, source))
+    found["tree"], found["source"] = tree, _sources(leaves, inputs)
+    found["narrower"] = [_narrower(a, axes) for a in leaves]
     return [a for a, k in zip(leaves, found["source"]) if k is None]
 
-  kept = jax.eval_shape(probe, chunk, consts, x, i)
-  return Layout(found["tree"], found["source"], tuple(kept), recompute)
+  closed = jax.make_jaxpr(probe)(chunk, consts, x, i)
+  outs = _compat.open_jaxpr(closed).outvars
+  n_weights = len(jax.tree.leaves((chunk, consts)))
+  from_weights = [_from_weights(closed, k, n_weights) for k in range(len(outs))]
+  weights = None
+  if any(from_weights):
+    pruned, used = _compat.dce(closed, from_weights)
+    if _compat.open_jaxpr(pruned).effects:   # a callback runs once, as written
+      from_weights = [False] * len(outs)
+    else:
+      weights = Weights(pruned, tuple(k for k, u in enumerate(used) if u))
+  candidates = iter(zip(from_weights, _compat.open_jaxpr(closed).outvars))
+  source, kept = [], []
+  for k, narrower in zip(found["source"], found["narrower"]):
+    if k is not None:
+      source.append(k)
+      continue
+    weight, var = next(candidates)
+    source.append(WEIGHTS if weight else AGAIN if narrower else None)
+    if source[-1] is None:
+      kept.append(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype))
+  return Layout(found["tree"], tuple(source), tuple(kept), recompute, weights)
+
+
+def _from_weights(closed, k: int, n_weights: int) -> bool:
+  """Whether output `k` of `closed` is computed from its first `n_weights`
+  inputs alone (the stage's parameters and consts, not x nor i)."""
+  n = len(_compat.open_jaxpr(closed).outvars)
+  _, used = _compat.dce(closed, [j == k for j in range(n)])
+  return not any(used[n_weights:])
 
 
 def _narrower(a, axes) -> bool:
