@@ -37,6 +37,7 @@ import jax
 from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
+from jax_overlap._src.patterns.pipeline.depends import depends_on
 
 #: A vjp leaf the backward computes again (`Layout.source`).
 AGAIN = "again"
@@ -155,14 +156,15 @@ def layout(fn: Callable, recompute, chunk, consts, x, i, axes) -> Layout:
     return [a for a, k in zip(leaves, found["source"]) if k is None]
 
   closed = jax.make_jaxpr(probe)(chunk, consts, x, i)
-  outs = _compat.open_jaxpr(closed).outvars
+  jaxpr = _compat.open_jaxpr(closed)
   n_weights = len(jax.tree.leaves((chunk, consts)))
-  from_weights = [_from_weights(closed, k, n_weights) for k in range(len(outs))]
+  marked = [k >= n_weights for k in range(len(jaxpr.invars))]   # x's and i
+  from_weights = [not d for d in depends_on(jaxpr, marked)]
   weights = None
   if any(from_weights):
     pruned, used = _compat.dce(closed, from_weights)
-    if _compat.open_jaxpr(pruned).effects:   # a callback runs once, as written
-      from_weights = [False] * len(outs)
+    if _compat.open_jaxpr(pruned).effects or any(used[n_weights:]):
+      from_weights = [False] * len(from_weights)   # a callback runs once, as written
     else:
       weights = Weights(pruned, tuple(k for k, u in enumerate(used) if u))
   candidates = iter(zip(from_weights, _compat.open_jaxpr(closed).outvars))
@@ -176,14 +178,6 @@ def layout(fn: Callable, recompute, chunk, consts, x, i, axes) -> Layout:
     if source[-1] is None:
       kept.append(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype))
   return Layout(found["tree"], tuple(source), tuple(kept), recompute, weights)
-
-
-def _from_weights(closed, k: int, n_weights: int) -> bool:
-  """Whether output `k` of `closed` is computed from its first `n_weights`
-  inputs alone (the stage's parameters and consts, not x nor i)."""
-  n = len(_compat.open_jaxpr(closed).outvars)
-  _, used = _compat.dce(closed, [j == k for j in range(n)])
-  return not any(used[n_weights:])
 
 
 def _narrower(a, axes) -> bool:
