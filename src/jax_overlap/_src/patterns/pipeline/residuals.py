@@ -167,7 +167,7 @@ def layout(fn: Callable, recompute, chunk, consts, x, i, axes) -> Layout:
       from_weights = [False] * len(from_weights)   # a callback runs once, as written
     else:
       weights = Weights(pruned, tuple(k for k, u in enumerate(used) if u))
-  candidates = iter(zip(from_weights, _compat.open_jaxpr(closed).outvars))
+  candidates = iter(zip(from_weights, jaxpr.outvars))
   source, kept = [], []
   for k, narrower in zip(found["source"], found["narrower"]):
     if k is not None:
