@@ -34,8 +34,19 @@ HAS_CLOSED_JAXPR_CLASS = (hasattr(core, "ClosedJaxpr")
 
 
 def open_jaxpr(closed) -> core.Jaxpr:
-  """The `Jaxpr` with eqns and vars, whichever form `closed` has."""
-  return closed.jaxpr if HAS_CLOSED_JAXPR_CLASS else closed
+  """The `Jaxpr` with eqns and vars, whichever form `closed` has (an open
+  `Jaxpr` as it is: an equation's param may be one, shard_map's, remat's)."""
+  return closed.jaxpr if is_closed(closed) else closed
+
+
+def is_closed(p) -> bool:
+  """Whether `p` is a `ClosedJaxpr` of its own class (jax 0.10.2)."""
+  return HAS_CLOSED_JAXPR_CLASS and isinstance(p, core.ClosedJaxpr)
+
+
+def is_jaxpr(p) -> bool:
+  """Whether `p` is a jaxpr, open or closed, in either form."""
+  return isinstance(p, core.Jaxpr) or is_closed(p)
 
 
 def jaxpr_consts(closed) -> list[Any]:

@@ -347,7 +347,7 @@ class _Fingerprint:
     if isinstance(x, core.Jaxpr):   # (on jax 0.12 with its consts)
       return ("jaxpr", self._jaxpr(x),
               tuple(self.value(c) for c in getattr(x, "consts", ())))
-    if _compat.HAS_CLOSED_JAXPR_CLASS and isinstance(x, core.ClosedJaxpr):
+    if _compat.is_closed(x):
       return ("closed", self._jaxpr(x.jaxpr),
               tuple(self.value(c) for c in x.consts))
     if isinstance(x, (tuple, list)):

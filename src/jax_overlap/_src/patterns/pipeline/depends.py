@@ -43,7 +43,7 @@ def depends_on(jaxpr, marked: Sequence[bool]) -> list[bool]:
 
 def _through(eqn, ins: list[bool]) -> list[bool]:
   if eqn.primitive.name == "scan":
-    body = _open(eqn.params["jaxpr"])
+    body = _compat.open_jaxpr(eqn.params["jaxpr"])
     consts, n = _compat.scan_counts(eqn.params)
     carry = ins[consts:consts + n]
     while True:   # a carry marked stays marked: at most n + 1 rounds
@@ -52,20 +52,10 @@ def _through(eqn, ins: list[bool]) -> list[bool]:
       if grown == carry:
         return outs
       carry = grown
-  bodies = [p for p in eqn.params.values() if _is_jaxpr(p)]
+  bodies = [p for p in eqn.params.values() if _compat.is_jaxpr(p)]
   if len(bodies) == 1:
-    body = _open(bodies[0])
+    body = _compat.open_jaxpr(bodies[0])
     if len(body.invars) == len(ins) and len(body.outvars) == len(eqn.outvars):
       return depends_on(body, ins)
   return [True] * len(eqn.outvars)
 
-
-def _open(p):
-  # a param may hold an open Jaxpr (shard_map's, remat's) where jax < 0.11
-  # has a ClosedJaxpr class of its own (jit's, scan's)
-  return p if isinstance(p, core.Jaxpr) else _compat.open_jaxpr(p)
-
-
-def _is_jaxpr(p) -> bool:
-  return isinstance(p, core.Jaxpr) or (
-      _compat.HAS_CLOSED_JAXPR_CLASS and isinstance(p, core.ClosedJaxpr))
