@@ -11,10 +11,13 @@ of 2 sequences (one a device), f32, the training loss's `value_and_grad`:
   dualpipev              `ppermute_start` futures in flight over the next
                          tick; interleaved, ZB-V and DualPipeV run two
                          chunks a device (8 stages of 1 block).
-  1f1b, gathered once    1F1B with each stage's blocks gathered over FSDP
-  [, recompute | kept]   once, before the pipeline (MaxText's ag_once), each
-                         stage its blocks unrolled; the platform's default,
-                         `recompute=True` or `recompute=False`.
+  S, recompute           schedule S with `recompute=True` (zb-h1,
+                         interleaved, zb-v, dualpipev).
+  S, gathered once       schedule S (1f1b and the four above) with each
+  [, recompute | kept]   stage's blocks gathered over FSDP once, before the
+                         pipeline (MaxText's ag_once), each stage its blocks
+                         unrolled; the platform's default, `recompute=True`
+                         or `recompute=False`.
   shift (MaxText)        the approach MaxText and jax's shard_map notebook
                          write: a `lax.scan` over m + p - 1 iterations, every
                          stage running its stage on what it holds (stage 0
@@ -72,13 +75,28 @@ PROFILE = {"gpu_h100": "h100", "tpu_v5e": "tpu-v5e"}
 STAGES, FSDP = 4, 2
 #: pipeline_loss's schedules, each a variant of its own
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev")
-VARIANTS = SCHEDULES + ("1f1b, gathered once", "1f1b, gathered once, recompute",
-                        "1f1b, gathered once, kept", "shift (MaxText)")
-#: variant -> pipelined_loss's keywords for the variants beyond a schedule
+#: a schedule's variants: its stages' blocks gathered over FSDP once before
+#: the pipeline ("gathered once"), with the platform's default `recompute`,
+#: `recompute=True` ("recompute") or `recompute=False` ("kept")
 #: (docs/pipeline.md "Gathering a stage's weights once a step").
-HOW = {"1f1b, gathered once": dict(gather_once=True),
-       "1f1b, gathered once, recompute": dict(gather_once=True, recompute=True),
-       "1f1b, gathered once, kept": dict(gather_once=True, recompute=False)}
+ONCE = tuple(f"{s}, gathered once{r}" for s in ("1f1b", "zb-h1", "interleaved",
+                                                 "zb-v", "dualpipev")
+             for r in ("", ", recompute", ", kept"))
+RECOMPUTED = tuple(f"{s}, recompute" for s in ("zb-h1", "interleaved", "zb-v",
+                                               "dualpipev"))
+VARIANTS = SCHEDULES + RECOMPUTED + ONCE + ("shift (MaxText)",)
+
+
+def how(variant: str) -> tuple[str, dict]:
+  """(schedule, pipelined_loss's keywords) of a variant other than the shift
+  loop: "SCHEDULE[, gathered once][, recompute | kept]"."""
+  schedule, *rest = variant.split(", ")
+  kw = {}
+  if "gathered once" in rest:
+    kw["gather_once"] = True
+  if "recompute" in rest or "kept" in rest:
+    kw["recompute"] = "recompute" in rest
+  return schedule, kw
 
 
 def shift_loss(cfg, mesh, param_specs, m):
@@ -131,7 +149,7 @@ def _mesh(target):
 def program(variant, mesh, width, m):
   cfg = model.Config(vocab=32, d=width, heads=max(1, width // 128),
                      hidden=4 * width, layers=2 * STAGES, seq=512)
-  schedule = variant if variant in SCHEDULES else "1f1b"
+  schedule = "1f1b" if variant == "shift (MaxText)" else how(variant)[0]
   shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.key(0),
                                                 schedule))
   specs = pipeline.specs(shapes)
@@ -141,17 +159,15 @@ def program(variant, mesh, width, m):
                                 sharding=NamedSharding(mesh, P(pipeline.FSDP)))
   if variant == "shift (MaxText)":
     loss = shift_loss(cfg, mesh, specs, m)
-  elif variant in HOW:
-    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, "1f1b", **HOW[variant])
   else:
-    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, variant)
+    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, schedule, **how(variant)[1])
   return jax.value_and_grad(loss), (params, tokens, tokens)
 
 
 def bubble(variant, m):
   if variant == "shift (MaxText)":
     return (STAGES - 1) / (m + STAGES - 1)
-  schedule = "1f1b" if variant in HOW else variant
+  schedule = how(variant)[0]
   plan = jax_overlap.pipeline_schedule(   # what pipeline_loss runs
       schedule, STAGES, m, pipeline.chunks(schedule))
   return plan.simulate(send=0).bubble_fraction   # the table's, sends free
