@@ -149,7 +149,7 @@ def _mesh(target):
 def program(variant, mesh, width, m):
   cfg = model.Config(vocab=32, d=width, heads=max(1, width // 128),
                      hidden=4 * width, layers=2 * STAGES, seq=512)
-  schedule = "1f1b" if variant == "shift (MaxText)" else how(variant)[0]
+  schedule, how_ = ("1f1b", {}) if variant == "shift (MaxText)" else how(variant)
   shapes = jax.eval_shape(lambda: pipeline.init(cfg, STAGES, jax.random.key(0),
                                                 schedule))
   specs = pipeline.specs(shapes)
@@ -160,7 +160,7 @@ def program(variant, mesh, width, m):
   if variant == "shift (MaxText)":
     loss = shift_loss(cfg, mesh, specs, m)
   else:
-    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, schedule, **how(variant)[1])
+    loss = pipeline.pipelined_loss(cfg, mesh, specs, m, schedule, **how_)
   return jax.value_and_grad(loss), (params, tokens, tokens)
 
 
