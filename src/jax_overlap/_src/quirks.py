@@ -137,6 +137,19 @@ TABLE = (
           "keeps the all-reduce and reduce-scatter synchronous",
           "tests/aot/real_compilers_test.py::"
           "test_future_is_an_async_pair_around_the_matmul"),
+    Quirk("tpu-switch-rows-in-branch", "tpu", None, "libtpu",
+          ("0.0.52", "0.0.52"),
+          "pipeline_loss's switch ticks write their row buffers (kept "
+          "inputs, cotangents, residuals) in their branches, from zeros, "
+          "as before (patterns/pipeline/row_writes.py): elsewhere a branch "
+          "gives its rows back to be written after the conditional, which "
+          "on the H100 removed XLA's copies of every buffer a conditional "
+          "returns (bench 1F1B with the weights gathered once 10.1 -> 8.7 "
+          "ms modelled) but cost XLA:TPU more (v5e DualPipeV 15.4 -> 24.3 "
+          "ms, 19.2 with the gradient rows added to in their branches; 1F1B "
+          "14.1 -> 15.3 ms)",
+          "tests/aot/pipeline_compiled_test.py::"
+          "test_switch_ticks_write_their_rows_after_the_conditional"),
     Quirk("tpu-pipeline-tick-gate", "tpu", None, "libtpu",
           ("0.0.52", "0.0.52"),
           "on jax >= 0.12 pipeline_loss's lockstep ticks read their "

@@ -13,7 +13,9 @@ stage's forward from the stage input it kept (as `jax.checkpoint` of the
 stage would); either way a device holds one row a live microbatch.
 
 Two dispatches. `switch`: each device runs only its own action, chosen by
-its axis index with `lax.switch`. Devices of one collective group (over
+its axis index with `lax.switch`; off TPU a branch gives back the rows it
+writes, written after the switch (row_writes.py), and the row buffers start
+unfilled (`_unset_rows`). Devices of one collective group (over
 another mesh axis) would then run different collective instructions at one
 tick, which XLA does not define (on CPU its rendezvous waits forever), so a
 model whose stage, loss or embedding holds a collective runs in `lockstep`:
@@ -49,6 +51,7 @@ from jax_overlap._src.patterns.pipeline import buffers as _buffers
 from jax_overlap._src.patterns.pipeline import mean_sums as _mean_sums
 from jax_overlap._src.patterns.pipeline import pair_fences as _pair_fences
 from jax_overlap._src.patterns.pipeline import residuals as _residuals
+from jax_overlap._src.patterns.pipeline import row_writes as _row_writes
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 from jax_overlap._src.patterns.pipeline.plan import PipelinePlan
 from jax_overlap._src.patterns.pipeline.tick_names import label, sum_label
@@ -87,12 +90,14 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
   vary_float = lambda a: vary(a) if is_float(a) else a
   rows = max(prog.slots, 1)
   stack = lambda a, n: vary(jnp.zeros((n,) + jnp.shape(a), a.dtype))
-  state = dict(inputs=jax.tree.map(lambda a: stack(a, rows), zero_act),
+  rows_after = dispatch == "switch" and _row_writes.after_switch()
+  unset = (lambda a, n: vary(_unset_rows(a, n))) if rows_after else stack
+  state = dict(inputs=jax.tree.map(lambda a: unset(a, rows), zero_act),
                loss=vary(jnp.zeros((), jnp.float32)),
                aux=jax.tree.map(lambda a: stack(a, m), zero_aux))
   if with_grads:
     state.update(
-        dys=[stack(a, rows) for a in float_leaves(zero_act)],
+        dys=[unset(a, rows) for a in float_leaves(zero_act)],
         grads=[vary(jnp.zeros_like(a)) for a in float_leaves(params)],
         dconsts=[vary(jnp.zeros_like(a)) for a in float_leaves(consts)],
         dxs=[vary(jnp.zeros_like(a)) for a in float_leaves(xs)],
@@ -104,8 +109,7 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
     layout = _residuals.layout(model.stage, recompute, chunk,
                                jax.tree.map(vary_float, consts), zero_act,
                                vary(jnp.zeros((), jnp.int32)), axes)
-    state["res"] = [vary(jnp.zeros((rows,) + a.shape, a.dtype))
-                    for a in layout.kept]
+    state["res"] = [unset(a, rows) for a in layout.kept]
   work = Work(model, m, with_grads, vary, zero_act, layout)
   me = jax.lax.axis_index(axis)
   pending = []
@@ -114,8 +118,11 @@ def execute(plan: PipelinePlan, model: Model, params: Any, consts: Any, xs,
     with jax.named_scope(f"pipeline_tick_{t}"):   # profiles name the tick
       tick_params, gated = gated, _gate(params, state)
       operands = (state, tick_params, consts, xs, targets)
-      run = _lockstep_tick if dispatch == "lockstep" else _switch_tick
-      state, out_fwd, out_bwd = run(tick, work, operands, me)
+      if dispatch == "lockstep":
+        state, out_fwd, out_bwd = _lockstep_tick(tick, work, operands, me)
+      else:
+        state, out_fwd, out_bwd = _switch_tick(tick, work, operands, me,
+                                               rows_after)
       for futs, send, buffer in pending:
         state[buffer] = _write_all(state[buffer], [f.done() for f in futs],
                                    send.slots, me)
@@ -161,6 +168,24 @@ def reduce_like(value, like):
   extra = tuple(sorted((a for a in _varying.varying(value) if a not in have),
                        key=str))
   return jax.lax.psum(value, extra) if extra else value
+
+
+def _unset_rows(a, n):
+  """`n` rows like `a`, not filled: a switch tick's row buffers (the kept
+  inputs, cotangents and residuals; not the sums, which start from 0).
+
+  Why: a row is read only by the device that wrote it, after it did
+  (buffers.py), and XLA merges the zero broadcasts the buffers would start
+  from into one value, of which each buffer is then a copy (docs/pipeline.md
+  "Memory"). In lockstep the zeros fuse into each buffer's first row write
+  and an unfilled buffer would live from the program's start, so there the
+  rows start from 0, and so they do where a switch tick's rows are written
+  in its branches (on TPU, row_writes.py). Pinned by
+  tests/aot/pipeline_compiled_test.py
+  (`test_switch_ticks_write_their_rows_after_the_conditional`) and
+  tests/patterns/pipeline/pipeline_row_writes_test.py (no row is read
+  before it is written)."""
+  return jax.lax.empty((n,) + jnp.shape(a), a.dtype)
 
 
 def _gate(params, state):
@@ -227,10 +252,11 @@ def _picks(tick, me):
   return [tuple(_pick(c, me) for c in part) for part in cols]
 
 
-def _switch_tick(tick, work, operands, me):
+def _switch_tick(tick, work, operands, me, rows_after):
   """Each device runs its own action's variant; a device with a Pair runs
   both parts, the forward first (they touch different rows), in one
-  branch."""
+  branch. With `rows_after`, a branch's row writes are made after the
+  switch (row_writes.py)."""
   combos = _branches(tick)
   present = sorted(set(combos))
   picks = _picks(tick, me)
@@ -243,8 +269,10 @@ def _switch_tick(tick, work, operands, me):
         if _VARIANT[b] is None:
           continue
         kind, first, last = _VARIANT[b]
-        state, f, g = work.action(kind, first, last, True)(
-            (state,) + rest[:4] + picks[k])
+        given = state if k == 0 else _row_writes.beside(state)
+        out, f, g = work.action(kind, first, last, True)(
+            (given,) + rest[:4] + picks[k])
+        state = out if k == 0 else _row_writes.merged(state, given, out)
         if kind == F:
           fwd = f
         else:
@@ -256,7 +284,9 @@ def _switch_tick(tick, work, operands, me):
   if len(fns) == 1:
     return fns[0](operands)
   local = [present.index(c) for c in combos]
-  return jax.lax.switch(_pick(local, me), fns, operands)
+  if not rows_after:
+    return jax.lax.switch(_pick(local, me), fns, operands)
+  return _row_writes.switch(_pick(local, me), fns, operands, work.vary)
 
 
 def _lockstep_tick(tick, work, operands, me):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap._src.patterns.pipeline import residuals as _residuals
+from jax_overlap._src.patterns.pipeline import row_writes as _row_writes
 from jax_overlap._src.patterns.pipeline.actions import B, F, I, W
 
 
@@ -94,7 +95,9 @@ def _put(a, v, i, on=True):
   v = v.astype(a.dtype)
   if on is not True:
     v = jnp.where(on, v, _at(a, i))
-  return jax.lax.dynamic_update_index_in_dim(a, v, i, 0)
+  out = jax.lax.dynamic_update_index_in_dim(a, v, i, 0)
+  _row_writes.note(out, a, v, i)   # a switch tick writes it after its branches
+  return out
 
 
 def _add_at(a, v, i, on=True):
