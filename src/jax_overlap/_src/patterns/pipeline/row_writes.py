@@ -2,17 +2,19 @@
 branches.
 
 Invariant: where a tick picks each device's action with `lax.switch`
-(executor.py `_switch_tick`), a buffer a branch writes one row of
-(`work._put`: a kept stage input, cotangent, residual, gradient row; of a
-buffer of more than one row) leaves the branch as that row and its index, written into the buffer after the
-switch, in place; a buffer no branch changes is not an output of the switch
-at all; only a value a branch changes otherwise (a running sum) is returned
-whole. Why: XLA returns every buffer a `conditional` gives back in a buffer
-of its own, a whole copy each tick (the H100's 1F1B with the weights
-gathered once: docs/pipeline.md "Memory"). A branch running two parts (a
-DualPipeV F&B cell) gives its second part the buffers as the tick starts
-(`beside`): the parts touch different rows, and a read of a row the branch
-wrote would keep the write, and its copy, in the branch.
+(executor.py `_switch_tick`), a buffer of more than one row that a branch
+writes one row of (`work._put`: a kept stage input, cotangent, residual,
+gradient row) leaves the branch as that row and its index, written into the
+buffer after the switch, in place; a buffer no branch changes is not an
+output of the switch at all; only a value a branch changes otherwise (a
+running sum) is returned whole. Why: XLA returns every buffer a
+`conditional` gives back in a buffer of its own, a whole copy each tick
+(the H100's 1F1B with the weights gathered once: docs/pipeline.md
+"Memory"). A branch running two parts (a DualPipeV F&B cell) gives its
+second part the buffers as the tick starts (`beside`): the parts touch
+different rows, and a read of a row the branch wrote would keep the write,
+and its copy, in the branch. Each branch is traced twice: once to learn
+what it writes, once in the switch.
 
 Where quirks row "tpu-switch-rows-in-branch" applies (`after_switch`
 False) the branches write their rows themselves: XLA:TPU made the moved
@@ -21,7 +23,8 @@ the weights gathered once: 24.3 against 15.4 ms modelled).
 
 Values are the branches' own. Pinned by tests/aot/pipeline_compiled_test.py
 (`test_switch_ticks_write_their_rows_after_the_conditional`) and, for
-values and gradients, by tests/patterns/pipeline/pipeline_loss_test.py.
+values and gradients, by tests/patterns/pipeline/pipeline_row_writes_test.py
+(the rows filled with NaN) and pipeline_loss_test.py.
 """
 
 from __future__ import annotations
