@@ -8,6 +8,11 @@ from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
 
 WIDTH = 4
+#: every schedule with its virtual stages a device, as the value grids run them
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+             ("zb-v", 2), ("dualpipev", 2)]
+#: the tolerance a pipelined value or gradient keeps to the sequential model's
+TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def stage(prm, x):

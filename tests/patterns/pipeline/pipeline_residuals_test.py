@@ -11,12 +11,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
-from pipeline_model import model, mse, pipelined_loss, sequential_loss, stage
+from pipeline_model import (SCHEDULES, TOL, model, mse, pipelined_loss,
+                            sequential_loss, stage)
 
-TOL = dict(rtol=1e-5, atol=1e-6)
 CHOICES = (False, True, jax.checkpoint_policies.dots_saveable)
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
-             ("zb-v", 2), ("dualpipev", 2)]
 
 
 def _value_and_grad(loss, params, xs, ts):
