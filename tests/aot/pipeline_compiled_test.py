@@ -129,8 +129,8 @@ def test_kept_residuals_are_flat_in_m_and_cost_their_rows():
   bytes, and both modelled steps are printed (docs/pipeline.md, "Memory"),
   at a size where the stage's matmuls, not the sends' latency, set the step
   (width 1024, 4096 rows a device). Since a switch tick's rows are written
-  after its conditional the recomputing step is the shorter here (3.13
-  against 3.28 ms at m = 8; before, 3.59 against 3.42)."""
+  after its conditional the recomputing step is the shorter here (the
+  figures: docs/pipeline.md "Memory")."""
   temp, step = {}, {}
   for recompute in (False, True):
     for m in (FEW, MANY):
@@ -166,10 +166,9 @@ def test_switch_ticks_write_their_rows_after_the_conditional(name):
   """A switch tick's branches return the rows they write, not whole
   buffers, and the buffers start unfilled (row_writes.py, executor.py
   `_unset_rows`): no buffer of kept rows (stage inputs, cotangents, the
-  stage's `tanh` output) is copied in a branch. Before, XLA copied the
-  buffers a branch returned (this H100 module: 9 such copies, the v5e
-  module none; the bench's 1F1B with the weights gathered once: 3.3 ms of
-  a 10.1 ms step; docs/pipeline.md "Memory")."""
+  stage's `tanh` output) is copied in a branch. Before, XLA:GPU copied the
+  buffers a branch returned (this H100 module had such copies, the v5e
+  module none; what they cost the bench: docs/pipeline.md "Memory")."""
   copies, rows = branch_copies(_step_text(name, "1f1b"), (BATCH // 2, D))
   print(f"{name}: {len(copies)} copies in the conditionals' branches, "
         f"{len(rows)} of a buffer of rows")

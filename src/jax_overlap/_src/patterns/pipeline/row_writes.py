@@ -19,7 +19,7 @@ what it writes, once in the switch.
 Where quirks row "tpu-switch-rows-in-branch" applies (`after_switch`
 False) the branches write their rows themselves: XLA:TPU made the moved
 rows cost more than the copies they saved (the v5e bench's DualPipeV with
-the weights gathered once: 24.3 against 15.4 ms modelled).
+the weights gathered once; docs/pipeline.md "Memory" has the figures).
 
 Values are the branches' own. Pinned by tests/aot/pipeline_compiled_test.py
 (`test_switch_ticks_write_their_rows_after_the_conditional`) and, for
