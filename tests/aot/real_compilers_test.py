@@ -376,6 +376,35 @@ def test_compiled_schedule_keeps_written_order(name):
   assert all(kept[c, True][0] and len(kept[c, True][1]) >= 3 for c in st.CASES), kept
 
 
+@pytest.mark.parametrize("name", ["tpu_v5e", "gpu_h100"])
+@pytest.mark.subprocess
+def test_an_ordered_block_with_calls_of_literals_compiles(name):
+  """An ordered block holding jit calls of literals alone (`jnp.arange(8) %
+  3`: jnp's remainder is a jit; `pipeline_loss` under a `jax.checkpoint`
+  policy with `fsdp_scan` stages has such calls) compiles on both
+  compilers, differentiated. Fenced in a late-inlined call, their constants
+  were cloned with its control edges and XLA's CSE aborted the process on
+  both; they are bound unfenced (ordering/barriers.py `_calls`). Run apart:
+  an abort fails only this test."""
+  target(name)
+  out = compilers.compile_in_subprocess(f"""
+      import jax, jax.numpy as jnp
+      import jax_overlap
+      t = target({name!r})
+
+      @jax_overlap.program_order(enforce=True)
+      def block(x):
+        y = jnp.tanh(x) * jax.jit(lambda: jnp.arange(8) % 3)().astype(x.dtype)
+        return y + jax.jit(lambda: jnp.arange(8) % 3 + 1)().astype(x.dtype)
+
+      f = jax.shard_map(jax.grad(lambda x: jnp.sum(block(x) ** 2)),
+                        mesh=t.mesh, in_specs=P("x"), out_specs=P("x"))
+      compiled_text(f, arg(t, (t.mesh.devices.size, 8), P("x")))
+      print("compiled")
+      """)
+  assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]
+
+
 # --- the six futures ----------------------------------------------------------
 
 #: (target, future) pairs the compiler cannot take as an async pair: the

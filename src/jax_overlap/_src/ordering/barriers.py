@@ -97,7 +97,11 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   # and multiplies the block: the TPU v5p compiler runs that matmul before
   # the send starts unless it is fenced, leaving its window empty
   # (tests/aot/real_compilers_test.py::
-  # test_collective_matmul_sends_behind_block_matmuls).
+  # test_collective_matmul_sends_behind_block_matmuls). A call of literals
+  # alone (a jit such as jnp's remainder, a block) holds constants of its
+  # own, which a late-inlined call would clone with its control edges (XLA's
+  # CSE then aborts, TPU and GPU): it is bound unfenced and carried past, as
+  # a device position is (test_an_ordered_block_with_calls_of_literals_compiles).
   prev_eqn, prev, prev_vals = None, None, None
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
@@ -106,7 +110,8 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     if prev is None:
       with _scope_of(eqn, len(jaxpr.eqns)):
         outs = _compat.bind_eqn(eqn, invals)
-    elif eqn.primitive.name in _READS_DEVICE_POSITION:
+    elif eqn.primitive.name in _READS_DEVICE_POSITION or (
+        all(literal) and _calls(eqn)):
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
       token = _compat.new_token()
@@ -163,6 +168,12 @@ def _scope_of(eqn, count: int):
   if count > 1 and block_collectives.is_synchronous(eqn.primitive.name):
     return jax.named_scope(block_collectives.FENCED_SCOPE)
   return contextlib.nullcontext()
+
+
+def _calls(eqn) -> bool:
+  """Whether `eqn` holds a jaxpr (a jit, a block, a checkpoint)."""
+  return any(hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")
+             for v in eqn.params.values())
 
 
 def _is_constant(atom) -> bool:
