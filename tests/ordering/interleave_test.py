@@ -36,11 +36,15 @@ def _part(x, w, sends: int):
   return x
 
 
-def _two_parts(x, y, w, *, sends=(2, 2), b_reads_a=False):
+def _two_parts(x, y, w, *, sends=(2, 2), b_reads_a=False, remat=False):
+  """With `remat`, part b runs inside `jax.checkpoint` (a backward under a
+  recompute policy does): the zip sees into it."""
+  part_b = lambda y_: _part(y_, w, sends[1])
   with jax.named_scope("part_a"):
     a = _part(x, w, sends[0])
   with jax.named_scope("part_b"):
-    b = _part(y + (a if b_reads_a else 0.0), w, sends[1])
+    b = (jax.checkpoint(part_b) if remat else part_b)(
+        y + (a if b_reads_a else 0.0))
   return a * 2.0 + b
 
 
@@ -95,9 +99,11 @@ def _label(eqn):
   return "a" if "part_a" in stack else "b" if "part_b" in stack else None
 
 
-@pytest.mark.parametrize("sends", [(2, 2), (3, 1), (1, 3)])
-def test_each_window_holds_the_other_parts_matmul(sends):
-  events = _events(lambda x, y, w: _two_parts(x, y, w, sends=sends))
+@pytest.mark.parametrize("sends,remat", [((2, 2), False), ((3, 1), False),
+                                         ((1, 3), False), ((2, 2), True)])
+def test_each_window_holds_the_other_parts_matmul(sends, remat):
+  events = _events(lambda x, y, w: _two_parts(x, y, w, sends=sends,
+                                               remat=remat))
   starts = [k for k, (what, _) in enumerate(events) if what == "start"]
   assert len(starts) == sum(sends)
   flying = []

@@ -11,13 +11,14 @@ futures keep their written overlap). `zip_order` says how the next start is
 chosen. Left to themselves the compilers keep each part's pieces together
 (the v5e: 1 of 48 F&B all-to-alls with the other part's matmul in flight).
 
-How: `fn` is traced once, its ordered blocks, jit calls and custom-derivative
-calls inlined (each part's starts and dones keep their written order); the equations
-between two consecutive starts/dones of the zipped order become one free
-block (XLA fuses inside it as it would unordered), the starts and dones steps
-of the ordered block. Equations of neither part (the glue around them) go as
-early as their inputs allow. Values are `fn`'s: the same equations, in an
-order their data allows. Where a part has no future, `fn` runs as written.
+How: `fn` is traced once, its ordered blocks, jit calls, custom-derivative
+calls and `jax.checkpoint` calls inlined (each part's starts and dones keep
+their written order); the equations between two consecutive starts/dones of
+the zipped order become one free block (XLA fuses inside it as it would
+unordered), the starts and dones steps of the ordered block. Equations of
+neither part (the glue around them) go as early as their inputs allow.
+Values are `fn`'s: the same equations, in an order their data allows. Where
+a part has no future, `fn` runs as written.
 
 Pinned by tests/ordering/interleave_test.py (the order, values, the
 fallback) and tests/aot/dualpipev_moe_compiled_test.py (the windows on the
@@ -86,7 +87,9 @@ def zip_order(jaxpr, label: Sequence, kind: Sequence) -> list[int]:
   written order). While one is, the other part computes up to one matmul
   (its ready work in written order), then the next start is chosen: one
   whose window the other part can fill, needing the fewest matmuls of its
-  own part first (a part with few matmuls spends them one a window), the
+  own part first where more would leave it fewer than the other part's
+  windows to come (a part with few matmuls spends them one a window;
+  tests/aot/dualpipev_moe_compiled_test.py's recomputing v5e case), the
   other part than the one in flight on a tie, then the part with more
   futures left. Its needs go, the futures in flight finish, it starts. What
   no window took goes last, in written order."""
@@ -199,10 +202,11 @@ def zip_order(jaxpr, label: Sequence, kind: Sequence) -> list[int]:
     def score(option, last=last, allow=allow):
       x, c, need = option
       # matmuls more than one that x's needs would put in the window, where
-      # x has no more matmuls left than the other part has windows to fill
-      scarce = (sum(i not in emitted for i in comp[x] if i in matmul)
-                <= sum(kind[i] == _START for i in coll[1 - x]))
-      extra = (max(0, len(matmul.intersection(free_of(need))) - 1)
+      # spending them leaves x fewer than the other part has windows to fill
+      spent = len(matmul.intersection(free_of(need)))
+      scarce = (sum(i not in emitted for i in comp[x] if i in matmul) - spent
+                < sum(kind[i] == _START for i in coll[1 - x]))
+      extra = (max(0, spent - 1)
                if scarce and last is not None and x != last else 0)
       return (fillable(1 - x, allow | {c}), -extra,
               x != last if last is not None else x == p_first, len(coll[x]))
@@ -346,6 +350,9 @@ def _inlining(closed):
 #: for running, not for differentiating again (a DualPipeV tick runs inside
 #: `pipeline_loss`'s own forward rule).
 _CUSTOM_CALLS = ("custom_vjp_call", "custom_jvp_call")
+#: `jax.checkpoint`'s call: a backward under a recompute policy runs its
+#: recompute and its exchanges' transposes inside one.
+_REMAT = "remat2"
 
 
 def _call_body(eqn):
@@ -357,4 +364,6 @@ def _call_body(eqn):
     return eqn.params["jaxpr"]
   if eqn.primitive.name in _CUSTOM_CALLS:
     return eqn.params["call_jaxpr"]
+  if eqn.primitive.name == _REMAT:
+    return _compat.close_jaxpr(eqn.params["jaxpr"], ())
   return None
