@@ -8,6 +8,7 @@ from jax_overlap._src.collectives.api import psum_start as psum_start
 from jax_overlap._src.collectives.broadcast import pvary_start as pvary_start
 from jax_overlap._src.collectives.api import ragged_all_to_all_start as ragged_all_to_all_start
 from jax_overlap._src.collectives.future import Future as Future
+from jax_overlap._src.collectives.remat_policy import all_to_alls_saveable as all_to_alls_saveable
 from jax_overlap._src.collectives.not_async import CollectiveNotAsyncWarning as CollectiveNotAsyncWarning
 from jax_overlap._src.collectives.future import FutureNotFinishedWarning as FutureNotFinishedWarning
 from jax_overlap._src.collectives.misuse import FutureNotFinishedError as FutureNotFinishedError
@@ -60,6 +61,7 @@ __all__ = [
     "ProfileReadError",
     "all_gather_start",
     "all_to_all_start",
+    "all_to_alls_saveable",
     "fsdp_scan",
     "fsdp_plan",
     "measure",

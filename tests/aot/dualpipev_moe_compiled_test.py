@@ -11,15 +11,15 @@ The executor names the two parts' compute `pair_forward` and
 compute in its window, one all-to-all in flight at a time.
 
 What holds (`test_each_all_to_all_has_the_other_parts_matmul_in_flight`):
-on the H100 all 32 Pair-tick all-to-alls have the other part's matmul in
-flight (10 of 32 before the zip); on the v5e all 16 of the forward part's
-and 27 of the backward part's 32 (1 of 48 before): there the backward
-recomputes its stage's forward (pipeline_loss's TPU default), so it runs 8
-all-to-alls a tick to the forward's 4, and the forward, with 6 matmuls a
-tick, has none left for the backward's last one (tick 14, the last Pair
-tick, 2); with `recompute=False` (residuals kept: 4 a tick each part) all
-32. Nothing of a Pair's backward waits for its forward's all-to-alls
-on the v5e (`test_a_pairs_backward_does_not_wait_for_its_forward`).
+on both compilers, with `pipeline_loss`'s defaults, all 32 Pair-tick
+all-to-alls have the other part's matmul in flight (H100 10 of 32, v5e 1
+of 48 before the zip). The v5e's default recomputes the stage's forward in
+the backward keeping what its all-to-alls received
+(`all_to_alls_saveable`): 4 all-to-alls a tick each part. With
+`recompute=True` the backward exchanges again, 8 a tick to the forward's 4,
+and the forward's 6 matmuls a tick leave 5 of them without one (27 of 32).
+Nothing of a Pair's backward waits for its forward's all-to-alls on the
+v5e (`test_a_pairs_backward_does_not_wait_for_its_forward`).
 docs/pipeline.md, "DualPipeV", has the numbers. One compile a case
 (H100 ~30 s, v5e ~25 s each on a shared 2-core machine).
 """
@@ -157,15 +157,18 @@ def test_a_pairs_backward_does_not_wait_for_its_forward():
 #: Pair-tick all-to-alls with the other part's matmul in flight, of all,
 #: per part (forward "F", backward "B"), measured with the zip (jax
 #: 0.12.0.1, libtpu 0.0.52, cuda plugin 0.12.0.1).
-#: "kept": `recompute=False`, the backward reads the residuals the forward
-#: kept (4 all-to-alls a tick each part).
+#: None: the defaults (H100: residuals kept; v5e: `all_to_alls_saveable`);
+#: False: residuals kept; True: the backward runs the whole forward again,
+#: its all-to-alls too.
 MEASURED = {("gpu_h100", None): {"F": (16, 16), "B": (16, 16)},
-            ("tpu_v5e", None): {"F": (16, 16), "B": (27, 32)},
-            ("tpu_v5e", False): {"F": (16, 16), "B": (16, 16)}}
+            ("tpu_v5e", None): {"F": (16, 16), "B": (16, 16)},
+            ("tpu_v5e", False): {"F": (16, 16), "B": (16, 16)},
+            ("tpu_v5e", True): {"F": (16, 16), "B": (27, 32)}}
 
 
 @pytest.mark.parametrize("name,recompute", list(MEASURED),
-                         ids=["gpu_h100", "tpu_v5e", "tpu_v5e-kept"])
+                         ids=["gpu_h100", "tpu_v5e", "tpu_v5e-kept",
+                              "tpu_v5e-recompute"])
 def test_each_all_to_all_has_the_other_parts_matmul_in_flight(name, recompute):
   pairs = _pair_windows(_compiled(name, recompute))
   for part in ("F", "B"):

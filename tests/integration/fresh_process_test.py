@@ -30,6 +30,8 @@ Auto axes). Entry points and where they apply:
   all_gather_start ... ppermute_start x       x       x    in shard_map, value and grad
   and ragged_all_to_all_start
   pvary_start                         x       x       x    in shard_map, a replicated scale: value and grads
+  all_to_alls_saveable                x       x       x    a jax.checkpoint policy around jax's
+                                                           all_to_all: value and grad
   fsdp_scan in shard_map              x       x       x    loss and grads
   fsdp_scan on an Explicit mesh       -       x       -    needs Explicit mesh axes: with none
                                                            there is no mesh, on Auto axes it is
@@ -121,7 +123,8 @@ def test_table_lists_every_entry_point():
   # Every public function of jax_overlap is some case's first call.
   covered = {"program_order", "all_gather_start", "psum_start", "pvary_start",
              "psum_scatter_start", "all_to_all_start", "ppermute_start",
-             "ragged_all_to_all_start", "fsdp_scan", "fsdp_plan",
+             "ragged_all_to_all_start", "all_to_alls_saveable", "fsdp_scan",
+             "fsdp_plan",
              "all_gather_matmul",
              "matmul_reduce_scatter", "matmul_psum", "expert_parallel",
              "expert_stream",

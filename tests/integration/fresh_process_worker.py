@@ -196,6 +196,23 @@ def _pvary(context, mesh, checks):
   _close("value and grads", got, want, checks)
 
 
+def _all_to_alls_saveable(context, mesh, checks):
+  """jax.checkpoint with all_to_alls_saveable around jax's all_to_all: the
+  function's value and grad."""
+  def f(v):
+    y = jax.lax.all_to_all(jnp.tanh(v @ v.T) @ v, AXIS, 0, 0, tiled=True)
+    return jnp.cos(y) ** 2
+  def run(fn):
+    local = lambda v: (fn(v), jax.grad(lambda v_: jnp.sum(fn(v_)))(v))
+    return jax.jit(_shard_map(context, mesh, local, in_specs=P(AXIS),
+                              out_specs=(P(AXIS), P(AXIS))))
+  with _context(context, mesh):
+    x = _put(mesh, _x((64, 8)), P(AXIS))
+    got = run(jax.checkpoint(f, policy=jo.all_to_alls_saveable))(x)  # first call
+    want = run(f)(x)
+  _close("value and grad", got, want, checks)
+
+
 def _implicit(s):
   return s    # jax casts it where it meets a varying value
 
@@ -499,6 +516,7 @@ ENTRIES = {
     "program_order_free": (_program_order(False), CONTEXTS),
     **{name: (_future(name), CONTEXTS) for name in _FUTURES},
     "pvary_start": (_pvary, CONTEXTS),
+    "all_to_alls_saveable": (_all_to_alls_saveable, CONTEXTS),
     "fsdp_scan_shard_map": (_fsdp_shard_map, CONTEXTS),
     "fsdp_scan_explicit": (_fsdp_explicit, ("explicit",)),
     "fsdp_plan": (_fsdp_plan, CONTEXTS),

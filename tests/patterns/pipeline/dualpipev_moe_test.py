@@ -11,12 +11,15 @@ expert) pair drops some (token, choice) pairs, the same ones on both sides
 (dropping depends on the tokens a device holds, not on the pipeline).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src.collectives.remat_policy import all_to_alls_saveable
 from jax_overlap._src.patterns.moe.expert_parallel import expert_parallel
 from jax_overlap._src.patterns.pipeline import buffers, placing
 from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout
@@ -59,14 +62,15 @@ def _data():
   return w, xs, ts
 
 
-def _pipelined(w, xs, ts):
+def _pipelined(w, xs, ts, recompute=None):
   mesh = jax.make_mesh((P_STAGES, EP), ("pp", "ep"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2,
                        devices=jax.devices()[:P_STAGES * EP])
 
   def body(w, xs, ts):
     loss = pipeline_loss(stage, mse, w, xs, ts, axis="pp",
-                         schedule="dualpipev", virtual_stages=2)
+                         schedule="dualpipev", virtual_stages=2,
+                         recompute=recompute)
     return jax.lax.pmean(loss, "ep")
   laid = pipeline_stage_layout(w, P_STAGES, schedule="dualpipev")
   return jax.shard_map(body, mesh=mesh,
@@ -98,9 +102,14 @@ def test_the_plan_has_pair_ticks():
 
 
 @pytest.mark.slow
-def test_values_and_gradients_equal_the_sequential_model():
+@pytest.mark.parametrize("recompute", [None, True, all_to_alls_saveable],
+                         ids=["default", "recompute", "all_to_alls_saveable"])
+def test_values_and_gradients_equal_the_sequential_model(recompute):
+  """The default off TPU keeps the residuals; on TPU it recomputes keeping
+  the all-to-alls' results (residuals.py `choose_recompute`)."""
   w, xs, ts = _data()
-  got = jax.jit(jax.value_and_grad(_pipelined, argnums=(0, 1)))(w, xs, ts)
+  pipelined = functools.partial(_pipelined, recompute=recompute)
+  got = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1)))(w, xs, ts)
   want = jax.jit(jax.value_and_grad(_sequential, argnums=(0, 1)))(w, xs, ts)
   np.testing.assert_allclose(got[0], want[0], **TOL)
   for path, a in jax.tree_util.tree_leaves_with_path(got[1]):
@@ -108,4 +117,4 @@ def test_values_and_gradients_equal_the_sequential_model():
     for k in path:
       b = b[k.key if hasattr(k, "key") else k.idx]
     np.testing.assert_allclose(a, b, **TOL, err_msg=jax.tree_util.keystr(path))
-  np.testing.assert_allclose(jax.jit(_pipelined)(w, xs, ts), want[0], **TOL)
+  np.testing.assert_allclose(jax.jit(pipelined)(w, xs, ts), want[0], **TOL)

@@ -20,6 +20,11 @@ import jax
 import numpy as np
 import pytest
 
+import jax_overlap
+from jax_overlap._src import _compat
+from jax_overlap._src.patterns.pipeline import loss as _loss
+from jax_overlap._src.patterns.pipeline import residuals as _residuals
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "examples"))
 import llama_4d  # noqa: E402
 
@@ -95,6 +100,24 @@ def test_plan_equals_the_single_program(name):
   _assert_trees_close(plan.unstage(grads), want_grads, "gradient ")
   _assert_trees_close(plan.unstage(after), want_after, f"after {STEPS} steps ", AFTER_TOL)
   assert values[-1] < values[0]          # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.newest_jax
+def test_the_tpu_default_recompute_equals_the_single_program(monkeypatch):
+  """On TPU `pipeline_loss` recomputes a stage keeping what its all-to-alls
+  received (residuals.py `choose_recompute`): the MoE plan (`expert_stream`
+  and `fsdp_scan` in its stages) under that choice, on the CPU devices."""
+  chosen = []
+
+  def as_on_tpu(recompute, exchanges=False):
+    with monkeypatch.context() as m:
+      m.setattr(_compat, "trace_device", lambda: ("tpu", None))
+      chosen.append(_residuals.choose_recompute(recompute, exchanges))
+    return chosen[-1]
+  monkeypatch.setattr(_loss, "choose_recompute", as_on_tpu)
+  test_plan_equals_the_single_program("pp_fsdp_ep")
+  assert chosen and all(c is jax_overlap.all_to_alls_saveable for c in chosen)
 
 
 def test_plans_lay_the_same_parameters_out():

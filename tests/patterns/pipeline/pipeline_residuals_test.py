@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax_overlap
+from jax_overlap._src import _compat
 from jax_overlap._src.patterns.pipeline.layout import pipeline_stage_layout
 from jax_overlap._src.patterns.pipeline.loss import pipeline_loss
+from jax_overlap._src.patterns.pipeline.residuals import choose_recompute
 from pipeline_model import (SCHEDULES, TOL, model, mse, pipelined_loss,
                             sequential_loss, stage)
 
@@ -176,3 +179,16 @@ def test_a_mixed_precision_stage_equals_the_sequential_model(schedule, v):
                                          recompute=False), params, xs, ts)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("exchanges,want", [
+    (False, True), (True, jax_overlap.all_to_alls_saveable)])
+def test_the_tpu_default_keeps_what_the_stages_all_to_alls_received(
+    monkeypatch, exchanges, want):
+  """On TPU the default recomputes, keeping an all-to-all's result where
+  the stage holds one (an MoE layer: tests/aot/dualpipev_moe_compiled_test.py
+  has its windows); off TPU it keeps the residuals either way."""
+  monkeypatch.setattr(_compat, "trace_device", lambda: ("tpu", None))
+  assert choose_recompute(None, exchanges) is want
+  monkeypatch.setattr(_compat, "trace_device", lambda: ("gpu", None))
+  assert choose_recompute(None, exchanges) is False

@@ -124,6 +124,18 @@ def collective_axes(jaxpr) -> frozenset:
   return frozenset(found)
 
 
+def saves_any(jaxpr, policy) -> bool:
+  """Whether `policy` (a `jax.checkpoint` policy) saves the result of an
+  equation of `jaxpr` or its sub-jaxprs."""
+  for eqn in jaxpr.eqns:
+    if policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params):
+      return True
+    for val in eqn.params.values():
+      if any(saves_any(sub, policy) for sub in _subjaxprs(val)):
+        return True
+  return False
+
+
 #: Primitives naming an axis that move no data (type casts, the index).
 _NOT_COLLECTIVES = frozenset({"pvary", "pcast", "pbroadcast", "axis_index",
                               "core_call"})

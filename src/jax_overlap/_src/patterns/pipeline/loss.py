@@ -30,6 +30,7 @@ from jax_overlap._src.patterns.pipeline.executor import (DISPATCHES, execute,
                                                          reduce_like)
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline.pieces import model_of
+from jax_overlap._src.patterns.pipeline.residuals import check_recompute as _check_recompute
 from jax_overlap._src.patterns.pipeline.residuals import choose_recompute
 from jax_overlap._src.patterns.pipeline.tick_names import sum_label
 from jax_overlap._src.patterns.pipeline.work import (float0_like, is_float,
@@ -104,15 +105,19 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
       halves each run it): less memory a microbatch in flight, about a third
       more compute. A `jax.checkpoint` policy (e.g.
       `jax.checkpoint_policies.dots_saveable`): keep what the policy saves,
-      recompute the rest. None (default): True when the program is for TPU
-      (the platform of the shard_map's mesh devices, else
-      `jax.default_backend()`), False elsewhere: on the v5e compiler the
-      pipeline's residual buffers cost more than the recompute (the bench's
-      1F1B modelled 51.1 ms kept against 33.2 ms recomputed), on the H100
-      keeping them is faster (0.89x). docs/pipeline.md, "Memory", has what each
-      costs; tests/patterns/pipeline/pipeline_residuals_test.py pins the
-      values and the forward count, tests/aot/pipeline_compiled_test.py the
-      default on each compiler.
+      recompute the rest (`jax_overlap.all_to_alls_saveable`: keep what the
+      stage's all-to-alls received). None (default): True when the program
+      is for TPU (the platform of the shard_map's mesh devices, else
+      `jax.default_backend()`), or `all_to_alls_saveable` there where the
+      stage holds an all-to-all (an MoE layer: a recompute that exchanged
+      again would have twice the all-to-alls to hide), False elsewhere: on
+      the v5e compiler the pipeline's residual buffers cost more than the
+      recompute (the bench's 1F1B modelled 51.1 ms kept against 33.2 ms
+      recomputed), on the H100 keeping them is faster (0.89x).
+      docs/pipeline.md, "Memory", has what each costs;
+      tests/patterns/pipeline/pipeline_residuals_test.py pins the values
+      and the forward count, tests/aot/pipeline_compiled_test.py and
+      dualpipev_moe_compiled_test.py the default on each compiler.
     mean_axes: a mesh axis name or a tuple of them, not `axis`: the
       data-parallel axes whose devices hold other microbatches (or the same
       ones, as under tensor parallelism). The loss is then also averaged
@@ -174,7 +179,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
     >>> jax.jit(jax.grad(dp_loss))(w, xs, ys)[0, 0, 0]
     Array(12., dtype=float32)
   """
-  recompute = choose_recompute(recompute)
+  _check_recompute(recompute)
   p = _checks.axis_size(axis)
   m = _checks.check_shapes(stage_params, xs, targets, virtual_stages, axis)
   mean_axes = _mean_axes(mean_axes, axis, xs)
@@ -189,6 +194,7 @@ def pipeline_loss(stage_fn: Callable, loss_fn: Callable, stage_params: Any,
                    targets, axis)
   dispatch = _checks.choose_dispatch(dispatch, built.model.collective,
                                      built.collective_axes)
+  recompute = choose_recompute(recompute, built.exchanges)
   # An axis no input varies over leaves the loss and its gradients alike on
   # its devices: the mean over it is the identity, nothing to sum.
   mean_axes = tuple(a for a in mean_axes if a in built.axes)

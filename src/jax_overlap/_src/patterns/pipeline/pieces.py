@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax._src import core
 
 from jax_overlap._src import _compat
+from jax_overlap._src.collectives.remat_policy import all_to_alls_saveable
 from jax_overlap._src.patterns import varying as _varying
 from jax_overlap._src.patterns.leaf_scope import moving
 from jax_overlap._src.patterns.pipeline import checks as _checks
@@ -42,6 +43,7 @@ class Built:
   aux_shape: Any         # loss_fn's aux pytree, jax.ShapeDtypeStructs
   axes: tuple            # every mesh axis an input varies over
   collective_axes: dict  # piece -> the axes its collectives name
+  exchanges: bool = False  # the stage holds an all-to-all (residuals.py)
 
 
 def model_of(stage_fn: Callable, loss_fn: Callable, before: Callable | None,
@@ -79,6 +81,7 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
   closed, out = jax.make_jaxpr(stage, return_shape=True)(chunk, act, i0)
   _checks.check_stage_output(act, out)
   found["stage"] = _checks.collective_axes(_compat.open_jaxpr(closed))
+  exchanges = _checks.saves_any(_compat.open_jaxpr(closed), all_to_alls_saveable)
   if any(isinstance(c, core.Tracer) for c in _compat.jaxpr_consts(closed)):
     # stage_fn closes over traced values (a shared weight, a traced scale,
     # a step count): given as inputs like loss_fn's, they do not leak into
@@ -109,7 +112,7 @@ def _trace(stage_fn, loss_fn, before, has_aux, stage_params, xs, targets, axis,
       loss=lambda consts, y, t: loss(floats(consts[1]), vary(y), vary(t)),
       collective=frozenset(k for k, v in found.items() if v))
   return Built(model, (embed_consts, loss_consts, stage_consts), shapes(act),
-               shapes(aux), axes, found)
+               shapes(aux), axes, found, exchanges)
 
 
 def _stage_call(stage_fn):

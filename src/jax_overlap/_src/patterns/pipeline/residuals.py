@@ -37,6 +37,7 @@ import jax
 from jax._src import core as jax_core
 
 from jax_overlap._src import _compat
+from jax_overlap._src.collectives.remat_policy import all_to_alls_saveable
 from jax_overlap._src.patterns.pipeline.depends import depends_on
 
 #: A vjp leaf the backward computes again (`Layout.source`).
@@ -59,22 +60,28 @@ def check_recompute(recompute) -> None:
       "jax.checkpoint_policies.dots_saveable.")
 
 
-def choose_recompute(recompute):
-  """`recompute` as given; for None, True where the program is for TPU (the
-  platform of the mesh being traced over, where jax says; else
-  `jax.default_backend()`), False elsewhere. Why: on the v5e compiler the
-  pipeline's residual buffers (zero fills, copies, row writes) cost more
-  than running the stage's forward again (1F1B bench 51.1 against 33.2 ms
-  modelled), though keeping a stage's residuals ran 0.78x recomputing on
-  the chip itself; on GPUs keeping them is faster (H100 0.89x).
+def choose_recompute(recompute, exchanges: bool = False):
+  """`recompute` as given; for None, on TPU (the platform of the mesh being
+  traced over, where jax says; else `jax.default_backend()`) True, or
+  `all_to_alls_saveable` where the stage holds an all-to-all (`exchanges`),
+  and False elsewhere. Why: on the v5e compiler the pipeline's residual
+  buffers (zero fills, copies, row writes) cost more than running the
+  stage's forward again (1F1B bench 51.1 against 33.2 ms modelled), though
+  keeping a stage's residuals ran 0.78x recomputing on the chip itself; on
+  GPUs keeping them is faster (H100 0.89x). A backward that runs its
+  stage's all-to-alls again has twice the exchanges to hide behind the
+  other chunk of a DualPipeV tick (docs/pipeline.md, "DualPipeV").
   docs/pipeline.md, "Memory"; pinned by
   pipeline_residuals_test.py (CPU) and tests/aot/pipeline_compiled_test.py
-  (`test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu`)."""
+  (`test_the_default_recomputes_on_tpu_and_keeps_residuals_on_gpu`),
+  tests/aot/dualpipev_moe_compiled_test.py (the windows)."""
   check_recompute(recompute)
   if recompute is not None:
     return recompute
   platform, _ = _compat.trace_device()
-  return (platform or jax.default_backend()) == "tpu"
+  if (platform or jax.default_backend()) != "tpu":
+    return False
+  return all_to_alls_saveable if exchanges else True
 
 
 def stage_vjp(fn: Callable, recompute, chunk, consts, x):
