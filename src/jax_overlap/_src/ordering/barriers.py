@@ -99,9 +99,10 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
   # (tests/aot/real_compilers_test.py::
   # test_collective_matmul_sends_behind_block_matmuls). A call of literals
   # alone (a jit such as jnp's remainder, a block) holds constants of its
-  # own, which a late-inlined call would clone with its control edges (XLA's
-  # CSE then aborts, TPU and GPU): it is bound unfenced and carried past, as
-  # a device position is (test_an_ordered_block_with_calls_of_literals_compiles).
+  # own, which the late-inlined call would clone with its control edges
+  # (XLA's CSE then aborts, TPU and GPU): it is fenced as the others are, the
+  # token tied to what came before, but bound outside that call, so nothing
+  # ties it to the token (test_an_ordered_block_with_calls_of_literals_compiles).
   prev_eqn, prev, prev_vals = None, None, None
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
@@ -110,16 +111,18 @@ def run_in_order(closed, args: Sequence[Any], *, strict_in: bool,
     if prev is None:
       with _scope_of(eqn, len(jaxpr.eqns)):
         outs = _compat.bind_eqn(eqn, invals)
-    elif eqn.primitive.name in _READS_DEVICE_POSITION or (
-        all(literal) and _calls(eqn)):
+    elif eqn.primitive.name in _READS_DEVICE_POSITION:
       outs = _compat.bind_eqn(eqn, invals)
     elif all(literal):
       token = _compat.new_token()
       prev_vals, token = _fence_with_token(prev, prev_vals, token, in_flight)
-      # The literals go in as the call's operands, so the late-inlined call
-      # holds no constant (see `_compat.call_after_token`).
-      outs = _compat.call_after_token(
-          lambda *vals, eqn=eqn: _compat.bind_eqn(eqn, vals), token, invals)
+      if _calls(eqn):
+        outs = _compat.bind_eqn(eqn, invals)
+      else:
+        # The literals go in as the call's operands, so the late-inlined
+        # call holds no constant (see `_compat.call_after_token`).
+        outs = _compat.call_after_token(
+            lambda *vals, eqn=eqn: _compat.bind_eqn(eqn, vals), token, invals)
     elif is_free_block(eqn) or eqn.primitive is jit_p:
       carry = False
       fenced = [not lit for lit in literal]
